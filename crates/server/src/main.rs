@@ -1,0 +1,61 @@
+//! `eyrie`: the command-line entry point (inspect and dequantize checkpoints; serving arrives with issue 6).
+
+mod dequant;
+mod inspect;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use eyrie_model::device::DeviceChoice;
+
+/// Eyrie: an inference engine for DeepSeek-V3-architecture MoE models (Kimi-K2 / K2.5 INT4).
+#[derive(Debug, Parser)]
+#[command(name = "eyrie", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print a checkpoint's architecture, layers, shards and tensor bytes by dtype and by quantization.
+    Inspect {
+        /// Checkpoint directory (with model.safetensors.index.json or *.safetensors) or one .safetensors file.
+        dir: PathBuf,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Write the dequantized bf16 weight of one Linear to a .safetensors file.
+    Dequant {
+        /// Checkpoint directory or file.
+        dir: PathBuf,
+        /// The Linear's module name (e.g. `model.layers.1.mlp.experts.0.gate_proj`); a trailing `.weight` or
+        /// `.weight_packed` is accepted.
+        #[arg(long)]
+        tensor: String,
+        /// Output .safetensors file; the weight is stored as `<module>.weight` (BF16).
+        #[arg(long)]
+        out: PathBuf,
+        /// Where to dequantize: cpu (the reference), cuda[:N] (burn tensor ops on the GPU, checked bit for bit
+        /// against the CPU reference), or auto.
+        #[arg(long, default_value = "cpu")]
+        device: DeviceChoice,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect { dir, json } => inspect::run(&dir, json),
+        Command::Dequant { dir, tensor, out, device } => dequant::run(&dir, &tensor, &out, device),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,1 @@
+//! eyrie-train

@@ -1,0 +1,36 @@
+//! `cargo xtask bench <name>`: runs a benchmark program in release mode; each prints a table and writes JSON
+//! under `bench/`, which `bench/REPORT.md` summarises.
+
+use std::path::Path;
+
+use anyhow::{Result, bail};
+
+use crate::cargo;
+
+const BENCHES: &[(&str, &str, &str)] = &[
+    // (name, package, example)
+    ("load", "eyrie-quant", "bench_load"),
+];
+
+pub fn run_bench(root: &Path, args: &[String]) -> Result<()> {
+    let Some(name) = args.first() else {
+        bail!("usage: cargo xtask bench <{}> [args...]", names());
+    };
+    let Some((_, package, example)) = BENCHES.iter().find(|(n, _, _)| n == name) else {
+        bail!("unknown benchmark {name:?} (known: {})", names());
+    };
+    let json = root.join("bench").join(format!("{name}.json"));
+    let mut cmd = cargo();
+    cmd.args(["run", "--release", "--package", package, "--example", example, "--"]);
+    cmd.arg("--json").arg(&json);
+    cmd.args(&args[1..]);
+    crate::run(&mut cmd)
+}
+
+fn names() -> String {
+    BENCHES.iter().map(|(n, _, _)| *n).collect::<Vec<_>>().join("|")
+}
+
+pub fn run(root: &Path, args: &[String]) -> Result<()> {
+    run_bench(root, args)
+}

@@ -1,0 +1,93 @@
+//! Project automation: `cargo xtask <command>`. Every CI step and benchmark starts here.
+//!
+//! xtask depends on none of the workspace's library crates at build time: it drives them through cargo, so a
+//! broken library never breaks the tool that diagnoses it.
+
+mod bench;
+mod tidy;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+const USAGE: &str = "\
+usage: cargo xtask <command>
+
+commands:
+  ci                 what CI runs: fmt check, tidy, clippy -D warnings, the whole test suite
+  tidy               check the crate graph (cargo metadata) and file hygiene
+  test               the whole test suite only (cargo test --workspace)
+  fixtures [quant]   regenerate committed fixtures with the Python reference libraries
+  bench load         safetensors index/map and CPU dequantization throughput (bench/load.json)
+";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = workspace_root();
+    std::env::set_current_dir(&root).with_context(|| format!("cd {}", root.display()))?;
+    match args.first().map(String::as_str) {
+        Some("ci") => ci(),
+        Some("tidy") => tidy::run(&root),
+        Some("test") => test(),
+        Some("fixtures") => fixtures(&args[1..]),
+        Some("bench") => bench::run(&root, &args[1..]),
+        Some("help" | "-h" | "--help") | None => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => bail!("unknown command {other:?}\n{USAGE}"),
+    }
+}
+
+/// The workspace root: the parent of xtask's manifest directory.
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Runs a command, echoing it, and fails with its exit status.
+pub(crate) fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("$ {}", render(cmd));
+    let status = cmd.status().with_context(|| format!("failed to start {}", render(cmd)))?;
+    if !status.success() {
+        bail!("{} failed with {status}", render(cmd));
+    }
+    Ok(())
+}
+
+fn render(cmd: &Command) -> String {
+    let mut s = cmd.get_program().to_string_lossy().into_owned();
+    for a in cmd.get_args() {
+        s.push(' ');
+        s.push_str(&a.to_string_lossy());
+    }
+    s
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn ci() -> Result<()> {
+    run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    tidy::run(&workspace_root())?;
+    run(cargo().args(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]))?;
+    test()
+}
+
+fn test() -> Result<()> {
+    run(cargo().args(["test", "--workspace", "--locked"]))
+}
+
+fn fixtures(args: &[String]) -> Result<()> {
+    let which = args.first().map(String::as_str).unwrap_or("all");
+    let scripts: &[&str] = match which {
+        "quant" => &["scripts/fixtures_quant.py"],
+        "all" => &["scripts/fixtures_quant.py"],
+        other => bail!("unknown fixture set {other:?} (quant, all)"),
+    };
+    for s in scripts {
+        run(Command::new("python3").arg(s))?;
+    }
+    Ok(())
+}
