@@ -96,11 +96,10 @@ impl<B: Backend> Int4Tensors<B> {
         let q = Tensor::stack::<3>(nibbles, 2).reshape([out, words * 8]).narrow(1, 0, inp).sub_scalar(8);
         let groups = self.scales.dims()[1];
         let expand = |t: Tensor<B, 2>| -> Tensor<B, 2> {
-            t.unsqueeze_dim::<3>(2).repeat_dim(2, self.group_size).reshape([out, groups * self.group_size]).narrow(
-                1,
-                0,
-                inp,
-            )
+            t.unsqueeze_dim::<3>(2)
+                .repeat_dim(2, self.group_size)
+                .reshape([out, groups * self.group_size])
+                .narrow(1, 0, inp)
         };
         let mut centered = q.float().cast(FloatDType::F32);
         if let Some(zp) = &self.zero_points {
@@ -121,9 +120,7 @@ pub fn dequantized_data(w: &PackedInt4) -> TensorData {
     let shape = [w.out_features(), w.in_features()];
     match w.scale_dtype() {
         Dtype::BF16 => TensorData::new(w.dequantize_bf16(), shape),
-        Dtype::F16 => {
-            TensorData::new(w.dequantize_f32().into_iter().map(f16::from_f32).collect::<Vec<f16>>(), shape)
-        }
+        Dtype::F16 => TensorData::new(w.dequantize_f32().into_iter().map(f16::from_f32).collect::<Vec<f16>>(), shape),
         _ => TensorData::new(w.dequantize_f32(), shape),
     }
 }
@@ -143,7 +140,8 @@ mod tests {
 
     fn sample(out: usize, inp: usize, group: usize, symmetric: bool, dtype: Dtype) -> PackedInt4 {
         // Deterministic, never-zero weights with varied magnitudes.
-        let w: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 1013) as f32 - 506.5) * 1e-3 * (1 + i % 5) as f32).collect();
+        let w: Vec<f32> =
+            (0..out * inp).map(|i| ((i * 7919 % 1013) as f32 - 506.5) * 1e-3 * (1 + i % 5) as f32).collect();
         PackedInt4::quantize_minmax(&w, out, inp, group, symmetric, dtype).expect("valid sample dims")
     }
 

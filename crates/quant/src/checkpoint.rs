@@ -5,7 +5,7 @@
 //! resolved through `weight_map`, never by pattern. The index must describe the shards exactly: a tensor it maps to
 //! a shard that lacks it, a tensor a shard holds that it maps elsewhere or not at all, are all errors.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::io::ErrorKind;
 use std::path::{Component, Path, PathBuf};
@@ -54,10 +54,15 @@ impl fmt::Debug for Checkpoint {
 
 impl Checkpoint {
     /// Opens a checkpoint. `path` is either a directory holding `model.safetensors.index.json` and the shards it
-    /// names, a directory without index (every `*.safetensors` file in it is opened), or one `.safetensors` file.
+    /// names (or that index file itself), a directory without index (every `*.safetensors` file in it is opened),
+    /// or one `.safetensors` file.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let root = path.as_ref().to_path_buf();
         let meta = std::fs::metadata(&root).map_err(|e| QuantError::io(&root, e))?;
+        if !meta.is_dir() && root.file_name().is_some_and(|n| n == INDEX_FILE) {
+            let dir = root.parent().map(Path::to_path_buf).unwrap_or_default();
+            return Self::with_index(dir, root);
+        }
         if !meta.is_dir() {
             let shards = vec![SafetensorsFile::open(&root)?];
             return Self::without_index(root, shards);
@@ -151,8 +156,10 @@ impl Checkpoint {
             };
             entries.push(Entry { shard, tensor });
         }
-        // Every tensor a shard holds is indexed, and indexed to that shard.
-        for (si, shard) in shards.iter().enumerate() {
+        // Every tensor a shard holds is indexed, and indexed to that shard. The entries found above are distinct
+        // (shard, tensor) pairs, so when the counts agree they cover every shard tensor; otherwise find the culprit.
+        let held: usize = shards.iter().map(SafetensorsFile::len).sum();
+        for (si, shard) in shards.iter().enumerate().filter(|_| held != entries.len()) {
             for (name, _) in shard.tensors() {
                 match weight_map.get(name) {
                     None => {
@@ -172,6 +179,7 @@ impl Checkpoint {
                 }
             }
         }
+        debug_assert_eq!(held, entries.len());
         Ok(Self::build(root, Some(index), shards, entries))
     }
 
@@ -313,6 +321,9 @@ mod tests {
         assert_eq!(ck.tensor("model.layers.10.mask").expect("mask").to_bool_vec().expect("bool"), vec![true, false]);
         assert_eq!(ck.shard_path("model.layers.10.mask"), Some(dir.path().join("model-2-of-2.safetensors").as_path()));
         assert!(ck.shard_path("nope").is_none());
+        let via_index = Checkpoint::open(dir.path().join(INDEX_FILE)).expect("open the index file");
+        assert_eq!(via_index.root(), dir.path());
+        assert_eq!(via_index.len(), 4);
         assert!(matches!(ck.tensor("nope"), Err(QuantError::MissingTensor { .. })));
         assert!(format!("{ck:?}").contains("tensors: 4"));
     }

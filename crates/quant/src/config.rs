@@ -38,7 +38,7 @@ use crate::{QuantError, Result};
 pub enum QuantizationConfig {
     /// `"quant_method": "compressed-tensors"` (Kimi-K2-Thinking, Kimi-K2.5 INT4).
     #[serde(rename = "compressed-tensors")]
-    CompressedTensors(CompressedTensorsConfig),
+    CompressedTensors(Box<CompressedTensorsConfig>),
     /// `"quant_method": "fp8"` (DeepSeek-V3 and Kimi-K2-Instruct block FP8).
     #[serde(rename = "fp8")]
     Fp8(Fp8Config),
@@ -91,7 +91,7 @@ pub struct ConfigGroups(pub Vec<(String, ConfigGroup)>);
 #[serde(untagged)]
 pub enum ConfigGroup {
     /// `{targets, weights, input_activations, output_activations, format}`.
-    Scheme(QuantizationSchemeConfig),
+    Scheme(Box<QuantizationSchemeConfig>),
     /// Targets of the preset scheme named by the group key (`"W4A16": ["Linear"]`).
     Preset(Vec<String>),
 }
@@ -395,15 +395,19 @@ impl QuantizationConfig {
     /// Reads config.json at `path` and calls [`QuantizationConfig::from_model_config`].
     pub fn from_config_file(path: &Path) -> Result<Option<Self>> {
         let text = std::fs::read_to_string(path).map_err(|e| QuantError::io(path, e))?;
-        let value: Value = serde_json::from_str(&text)
-            .map_err(|e| QuantError::Json { path: path.to_owned(), field: None, message: e.to_string() })?;
+        let value: Value = serde_json::from_str(&text).map_err(|e| QuantError::Json {
+            path: path.to_owned(),
+            field: None,
+            message: e.to_string(),
+        })?;
         Self::from_model_config_at(&value, path)
     }
 
     fn from_model_config_at(config: &Value, path: &Path) -> Result<Option<Self>> {
         let (field, value) = match config.get("quantization_config").filter(|v| !v.is_null()) {
             Some(v) => ("quantization_config", v),
-            None => match config.get("text_config").and_then(|t| t.get("quantization_config")).filter(|v| !v.is_null()) {
+            None => match config.get("text_config").and_then(|t| t.get("quantization_config")).filter(|v| !v.is_null())
+            {
                 Some(v) => ("text_config.quantization_config", v),
                 None => return Ok(None),
             },
@@ -543,10 +547,16 @@ impl CompressedTensorsConfig {
             }
             ("channel", None | Some(-1)) => GroupSize::WholeRow,
             ("channel", Some(g)) => {
-                return Err(unsupported(format!("{wf}.group_size"), format!("{g} (channel strategy needs null or -1)")));
+                return Err(unsupported(
+                    format!("{wf}.group_size"),
+                    format!("{g} (channel strategy needs null or -1)"),
+                ));
             }
             (other, _) => {
-                return Err(unsupported(format!("{wf}.strategy"), format!("{other:?} (only \"group\" or \"channel\")")));
+                return Err(unsupported(
+                    format!("{wf}.strategy"),
+                    format!("{other:?} (only \"group\" or \"channel\")"),
+                ));
             }
         };
         Ok((QuantScheme::Int4Group { group_size, symmetric: w.symmetric }, &scheme.targets))
@@ -660,7 +670,8 @@ mod tests {
     #[test]
     fn kimi_config_top_level_and_text_config() {
         let top = json!({"model_type": "kimi_k2", "quantization_config": kimi_quantization_config()});
-        let nested = json!({"model_type": "kimi_k25", "text_config": {"quantization_config": kimi_quantization_config()}});
+        let nested =
+            json!({"model_type": "kimi_k25", "text_config": {"quantization_config": kimi_quantization_config()}});
         for config in [&top, &nested] {
             let parsed = QuantizationConfig::from_model_config(config).unwrap().unwrap();
             let QuantizationConfig::CompressedTensors(ct) = &parsed else { panic!("wrong variant: {parsed:?}") };
@@ -710,7 +721,8 @@ mod tests {
         let e = plan_error(|q| q["config_groups"]["group_0"]["weights"]["num_bits"] = json!(8));
         assert_eq!(e.to_string(), "quantization_config.config_groups.group_0.weights.num_bits: 8 (only 4)");
         let w = |key: &'static str, v: Value| move |q: &mut Value| q["config_groups"]["group_0"]["weights"][key] = v;
-        let cases: Vec<(Box<dyn FnOnce(&mut Value)>, &str)> = vec![
+        type Edit = Box<dyn FnOnce(&mut Value)>;
+        let cases: Vec<(Edit, &str)> = vec![
             (Box::new(w("type", json!("float"))), "config_groups.group_0.weights.type"),
             (Box::new(w("strategy", json!("tensor"))), "config_groups.group_0.weights.strategy"),
             (Box::new(w("group_size", json!(null))), "config_groups.group_0.weights.group_size"),
@@ -724,7 +736,10 @@ mod tests {
             (Box::new(|q: &mut Value| q["quantization_status"] = json!("frozen")), "quantization_status"),
             (Box::new(|q: &mut Value| q["kv_cache_scheme"] = json!({"num_bits": 8})), "kv_cache_scheme"),
             (Box::new(|q: &mut Value| q["transform_config"] = json!({"config_groups": {}})), "transform_config"),
-            (Box::new(|q: &mut Value| q["config_groups"]["group_0"]["weights"] = json!(null)), "config_groups.group_0.weights"),
+            (
+                Box::new(|q: &mut Value| q["config_groups"]["group_0"]["weights"] = json!(null)),
+                "config_groups.group_0.weights",
+            ),
         ];
         for (edit, field) in cases {
             assert_eq!(unsupported_field(plan_error(edit)), field);
@@ -822,7 +837,8 @@ mod tests {
             QuantError::Json { field, .. } => assert_eq!(field.as_deref(), Some("quantization_config")),
             other => panic!("{other:?}"),
         }
-        let e = QuantizationConfig::from_model_config(&json!({"text_config": {"quantization_config": {"fmt": "e4m3"}}}));
+        let e =
+            QuantizationConfig::from_model_config(&json!({"text_config": {"quantization_config": {"fmt": "e4m3"}}}));
         match e.unwrap_err() {
             QuantError::Json { field, .. } => assert_eq!(field.as_deref(), Some("text_config.quantization_config")),
             other => panic!("{other:?}"),

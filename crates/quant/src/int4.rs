@@ -89,7 +89,14 @@ impl PackedInt4 {
             ));
         }
         if let Some(zp) = &zero_points {
-            check_len("zero_points", zp.len(), dims.scale_len, "[out, ceil(in/group_size)]", out_features, dims.n_groups)?;
+            check_len(
+                "zero_points",
+                zp.len(),
+                dims.scale_len,
+                "[out, ceil(in/group_size)]",
+                out_features,
+                dims.n_groups,
+            )?;
             check_q_range("zero_points", zp)?;
         }
         Ok(Self { out_features, in_features, group_size, packed, scales, scale_dtype, zero_points })
@@ -246,7 +253,7 @@ impl PackedInt4 {
         let word_rows = out_features.div_ceil(VALUES_PER_WORD);
         let needed = checked_mul(word_rows, n_groups, "weight_zero_point")?;
         check_len("weight_zero_point", words.len(), needed, "[ceil(out/8), n_groups]", word_rows, n_groups)?;
-        let mut zp = Vec::with_capacity(out_features * n_groups);
+        let mut zp = Vec::with_capacity(checked_mul(out_features, n_groups, "zero_points")?);
         for row in 0..out_features {
             let word_row = &words[(row / VALUES_PER_WORD) * n_groups..(row / VALUES_PER_WORD + 1) * n_groups];
             zp.extend(word_row.iter().map(|&w| nibble(w, row % VALUES_PER_WORD) as i8 - OFFSET as i8));
@@ -337,7 +344,8 @@ impl PackedInt4 {
     /// Bytes the weight takes in a checkpoint: `weight_packed`, `weight_scale` in its dtype, the packed
     /// `weight_zero_point` when asymmetric (`weight_shape` excluded).
     pub fn checkpoint_bytes(&self) -> usize {
-        let zp_words = self.zero_points.as_ref().map_or(0, |_| self.out_features.div_ceil(VALUES_PER_WORD) * self.n_groups());
+        let zp_words =
+            self.zero_points.as_ref().map_or(0, |_| self.out_features.div_ceil(VALUES_PER_WORD) * self.n_groups());
         self.packed.len() * 4 + self.scales.len() * self.scale_dtype.size() + zp_words * 4
     }
 
@@ -362,7 +370,6 @@ impl PackedInt4 {
             }
         }
     }
-
 
     /// The 16 dequantized values of one group, indexed by the stored nibble `u`.
     fn group_table(&self, scale: f32, zp: i32) -> [f32; 16] {
@@ -414,7 +421,9 @@ fn check_scale_dtype(dtype: Dtype) -> Result<()> {
 
 fn check_q_range(what: &str, values: &[i8]) -> Result<()> {
     match values.iter().position(|q| !(Q_MIN..=Q_MAX).contains(q)) {
-        Some(i) => Err(QuantError::invalid(what, format!("value {i} = {} is outside the INT4 range [-8, 7]", values[i]))),
+        Some(i) => {
+            Err(QuantError::invalid(what, format!("value {i} = {} is outside the INT4 range [-8, 7]", values[i])))
+        }
         None => Ok(()),
     }
 }

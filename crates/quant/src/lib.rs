@@ -9,7 +9,7 @@
 //! - [`int4`]: [`PackedInt4`], the pack-quantized INT4 weight: pack, unpack, dequantize.
 //! - [`fp8`]: FP8 E4M3 decoding and the 128x128 block dequantization of the FP8 Kimi-K2 release.
 //! - [`linear`]: [`LinearWeight`], a Linear's weight as found in a checkpoint (dense, INT4 or FP8 block).
-//! - [`write`]: a minimal safetensors writer for fixtures, tools and tests.
+//! - [`write`](mod@write): a minimal safetensors writer for fixtures, tools and tests.
 
 pub mod checkpoint;
 pub mod config;
@@ -27,10 +27,10 @@ pub mod burn;
 pub use dtype::Dtype;
 pub use error::{QuantError, Result};
 // Re-exports of module items (one line per module):
+pub use checkpoint::Checkpoint;
 pub use config::{GroupSize, QuantPlan, QuantScheme, QuantizationConfig};
 pub use fp8::{dequant_block_fp8, e4m3_to_f32};
 pub use int4::PackedInt4;
-pub use checkpoint::Checkpoint;
+pub use linear::{LinearKind, LinearWeight};
 pub use safetensors::{SafetensorsFile, TensorInfo, TensorView};
 pub use write::SafetensorsWriter;
-pub use linear::{LinearKind, LinearWeight};

@@ -70,7 +70,8 @@ impl<'a> LinearWeight<'a> {
     /// Loads the Linear stored under `prefix` (e.g. `model.layers.1.mlp.experts.0.gate_proj`).
     ///
     /// `group_size` is the INT4 group size from the quantization config; with `None` it is inferred as
-    /// `in / n_groups` when that divides exactly, and an error asks for the config otherwise.
+    /// `in / n_groups` when that divides exactly (compressed-tensors only writes whole groups, so this is right
+    /// for its checkpoints), and an error asks for the config otherwise.
     pub fn load(ckpt: &'a Checkpoint, prefix: &str, group_size: Option<usize>) -> Result<Self> {
         match LinearKind::detect(ckpt, prefix) {
             Some(LinearKind::Int4) => load_int4(ckpt, prefix, group_size).map(LinearWeight::Int4),
@@ -253,12 +254,13 @@ mod tests {
     #[test]
     fn partial_last_group_needs_the_config() {
         let dir = tempfile::tempdir().unwrap();
-        let w = sample(8, 100, 32, true); // 4 groups, the last one partial
+        let w = sample(8, 100, 48, true); // 3 groups of 48, 48, 4 columns: 100 is no multiple of 3
         write_int4(dir.path(), &w, "p", false);
         let ck = Checkpoint::open(dir.path()).unwrap();
         let err = LinearWeight::load(&ck, "p", None).unwrap_err();
         assert!(err.to_string().contains("group size"), "{err}");
-        assert!(LinearWeight::load(&ck, "p", Some(32)).is_ok());
+        let LinearWeight::Int4(got) = LinearWeight::load(&ck, "p", Some(48)).unwrap() else { panic!("not int4") };
+        assert_eq!(got, w);
         let err = LinearWeight::load(&ck, "p", Some(64)).unwrap_err();
         assert!(matches!(err, QuantError::ShapeMismatch { .. }), "{err}");
     }

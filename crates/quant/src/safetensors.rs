@@ -9,12 +9,14 @@
 //! at open, so a [`TensorView`] always holds exactly `numel * dtype.size()` bytes.
 
 use std::collections::BTreeMap;
+use std::fmt;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use half::{bf16, f16};
 use memmap2::Mmap;
 use serde::Deserialize;
+use serde::de::{DeserializeSeed, Deserializer, Error as _, MapAccess, Visitor};
 
 use crate::{Dtype, QuantError, Result};
 
@@ -54,7 +56,6 @@ fn numel(shape: &[usize]) -> Option<usize> {
 }
 
 /// A memory-mapped safetensors file with a validated header.
-#[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
     mmap: Mmap,
@@ -63,6 +64,17 @@ pub struct SafetensorsFile {
     metadata: BTreeMap<String, String>,
     /// Tensors sorted by name (a sorted map searched by binary search, addressable by index).
     tensors: Vec<(String, TensorInfo)>,
+}
+
+impl fmt::Debug for SafetensorsFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SafetensorsFile")
+            .field("path", &self.path)
+            .field("file_size", &self.mmap.len())
+            .field("tensors", &self.tensors.len())
+            .field("metadata", &self.metadata)
+            .finish()
+    }
 }
 
 /// A tensor entry as written in the header, before validation.
@@ -101,7 +113,7 @@ impl SafetensorsFile {
         }
         // Both fit in usize: header_len <= MAX_HEADER_LEN and data_start <= mmap.len().
         let data_start = 8 + header_len as usize;
-        let (metadata, tensors) = parse_header(&path, &mmap[8..data_start], map_len - data_start as u64)?;
+        let Header { metadata, tensors } = parse_header(&path, &mmap[8..data_start], map_len - data_start as u64)?;
         Ok(Self { path, mmap, data_start, metadata, tensors })
     }
 
@@ -179,12 +191,62 @@ impl SafetensorsFile {
     }
 }
 
+/// A parsed and validated header.
+struct Header {
+    metadata: BTreeMap<String, String>,
+    /// Sorted by name.
+    tensors: Vec<(String, TensorInfo)>,
+}
+
+/// The header as written: tensors in file order, and the metadata.
+struct RawHeader {
+    metadata: BTreeMap<String, String>,
+    tensors: Vec<(String, RawTensor)>,
+}
+
+/// Deserializes the header object straight into [`RawHeader`] (no intermediate `serde_json::Value`), keeping in
+/// `key` the entry whose value is being read so that an error can name it.
+struct HeaderSeed<'k> {
+    key: &'k mut Option<String>,
+}
+
+impl<'de> DeserializeSeed<'de> for HeaderSeed<'_> {
+    type Value = RawHeader;
+
+    fn deserialize<D: Deserializer<'de>>(self, deserializer: D) -> Result<RawHeader, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for HeaderSeed<'_> {
+    type Value = RawHeader;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a JSON object mapping tensor names to {dtype, shape, data_offsets}")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
+        let mut metadata = None;
+        let mut tensors = Vec::with_capacity(map.size_hint().unwrap_or(0));
+        while let Some(name) = map.next_key::<String>()? {
+            *self.key = Some(name);
+            if self.key.as_deref() == Some(METADATA_KEY) {
+                if metadata.is_some() {
+                    return Err(A::Error::custom("__metadata__ appears twice"));
+                }
+                metadata = Some(map.next_value()?);
+                *self.key = None;
+            } else {
+                let raw: RawTensor = map.next_value()?;
+                tensors.push((self.key.take().unwrap_or_default(), raw));
+            }
+        }
+        Ok(RawHeader { metadata: metadata.unwrap_or_default(), tensors })
+    }
+}
+
 /// Parses and validates the header JSON; `data_len` is the size of the data buffer that follows it.
-fn parse_header(
-    path: &Path,
-    json: &[u8],
-    data_len: u64,
-) -> Result<(BTreeMap<String, String>, Vec<(String, TensorInfo)>)> {
+fn parse_header(path: &Path, json: &[u8], data_len: u64) -> Result<Header> {
     let json_err = |field: Option<&str>, e: serde_json::Error| QuantError::Json {
         path: path.to_path_buf(),
         field: field.map(str::to_owned),
@@ -195,16 +257,17 @@ fn parse_header(
         tensor: Some(tensor.to_owned()),
         message,
     };
-    let entries: BTreeMap<String, serde_json::Value> = serde_json::from_slice(json).map_err(|e| json_err(None, e))?;
+    let mut key = None;
+    let mut de = serde_json::Deserializer::from_slice(json);
+    let raw = HeaderSeed { key: &mut key }.deserialize(&mut de).and_then(|h| de.end().map(|()| h));
+    let RawHeader { metadata, tensors: mut raw_tensors } = raw.map_err(|e| json_err(key.as_deref(), e))?;
+    raw_tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    if let Some(pair) = raw_tensors.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+        return Err(bad(&pair[0].0, "appears twice in the header".to_owned()));
+    }
 
-    let mut metadata = BTreeMap::new();
-    let mut tensors = Vec::with_capacity(entries.len());
-    for (name, value) in entries {
-        if name == METADATA_KEY {
-            metadata = BTreeMap::deserialize(value).map_err(|e| json_err(Some(METADATA_KEY), e))?;
-            continue;
-        }
-        let raw = RawTensor::deserialize(value).map_err(|e| json_err(Some(&name), e))?;
+    let mut tensors = Vec::with_capacity(raw_tensors.len());
+    for (name, raw) in raw_tensors {
         let Some(dtype) = Dtype::parse(&raw.dtype) else {
             return Err(QuantError::UnknownDtype { path: path.to_path_buf(), tensor: name, dtype: raw.dtype });
         };
@@ -255,7 +318,7 @@ fn parse_header(
             ));
         }
     }
-    Ok((metadata, tensors))
+    Ok(Header { metadata, tensors })
 }
 
 /// A borrowed view of one tensor: its header entry and its bytes (exactly `numel * dtype.size()` of them,
@@ -295,16 +358,26 @@ impl<'a> TensorView<'a> {
         if self.shape.len() == rank { Ok(()) } else { Err(self.shape_mismatch(format!("rank {rank}"))) }
     }
 
-    /// Elements as `f32`: F32 as is, BF16/F16/F64 converted. FP8 tensors are refused here.
+    /// Elements as `f32`: F32 as is, BF16/F16/F64/F8_E4M3/F8_E5M2 converted (FP8 decoded by [`crate::fp8`]).
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
-        // fp8 decoding: see crate::fp8 (F8_E4M3 / F8_E5M2 are not accepted here yet).
         self.check_len()?;
         Ok(match self.dtype {
             Dtype::F32 => self.le::<4, _>(f32::from_le_bytes),
             Dtype::BF16 => self.le::<2, _>(|b| bf16::from_le_bytes(b).to_f32()),
             Dtype::F16 => self.le::<2, _>(|b| f16::from_le_bytes(b).to_f32()),
             Dtype::F64 => self.le::<8, _>(|b| f64::from_le_bytes(b) as f32),
-            _ => return Err(self.dtype_mismatch(&[Dtype::F32, Dtype::BF16, Dtype::F16, Dtype::F64])),
+            Dtype::F8_E4M3 => self.data.iter().map(|&b| crate::fp8::e4m3_to_f32(b)).collect(),
+            Dtype::F8_E5M2 => self.data.iter().map(|&b| crate::fp8::e5m2_to_f32(b)).collect(),
+            _ => {
+                return Err(self.dtype_mismatch(&[
+                    Dtype::F32,
+                    Dtype::BF16,
+                    Dtype::F16,
+                    Dtype::F64,
+                    Dtype::F8_E4M3,
+                    Dtype::F8_E5M2,
+                ]));
+            }
         })
     }
 
@@ -557,7 +630,7 @@ mod tests {
         let t = |n: &str| f.tensor(n).expect(n);
         let mismatch = |r: Result<()>| matches!(r, Err(QuantError::DtypeMismatch { .. }));
         assert!(mismatch(t("i").to_f32_vec().map(drop)));
-        assert!(mismatch(t("e4m3").to_f32_vec().map(drop)));
+        assert_eq!(t("e4m3").to_f32_vec().expect("fp8 decodes"), vec![1.0]); // 0x38 = 2^(7-7) = 1.0
         assert!(mismatch(t("f").to_bf16_vec().map(drop)));
         assert!(mismatch(t("f").to_f16_vec().map(drop)));
         assert!(mismatch(t("f").to_i64_vec().map(drop)));
@@ -643,6 +716,7 @@ mod tests {
         assert!(f.is_empty());
         assert_eq!(f.data_len(), 0);
         assert!(f.metadata().is_empty());
+        assert!(format!("{f:?}").contains("tensors: 0"));
     }
 
     #[test]
@@ -666,17 +740,33 @@ mod tests {
 
     #[test]
     fn rejects_bad_headers() {
-        let cases: &[(&str, usize, fn(&QuantError) -> bool)] = &[
+        type Check = fn(&QuantError) -> bool;
+        let cases: &[(&str, usize, Check)] = &[
             (r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}}"#, 8, |e| {
                 matches!(e, QuantError::BadHeader { .. })
             }),
             (r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}"#, 8, |e| {
                 matches!(e, QuantError::BadHeader { .. })
             }),
-            (r#"{"a":{"dtype":"F32","shape":[2]}}"#, 8, |e| matches!(e, QuantError::Json { field: Some(_), .. })),
+            (
+                r#"{"a":{"dtype":"F32","shape":[2]}}"#,
+                8,
+                |e| matches!(e, QuantError::Json { field: Some(f), .. } if f == "a"),
+            ),
             (r#"{"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#, 8, |e| matches!(e, QuantError::Json { .. })),
-            (r#"{"__metadata__":{"n":1}}"#, 0, |e| matches!(e, QuantError::Json { field: Some(_), .. })),
+            (
+                r#"{"__metadata__":{"n":1}}"#,
+                0,
+                |e| matches!(e, QuantError::Json { field: Some(f), .. } if f == "__metadata__"),
+            ),
             (r#"[1, 2]"#, 0, |e| matches!(e, QuantError::Json { field: None, .. })),
+            (r#"{} x"#, 0, |e| matches!(e, QuantError::Json { field: None, .. })),
+            (r#"{"__metadata__":{},"__metadata__":{}}"#, 0, |e| matches!(e, QuantError::Json { .. })),
+            (
+                r#"{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}"#,
+                2,
+                |e| matches!(e, QuantError::BadHeader { tensor: Some(t), .. } if t == "a"),
+            ),
             (r#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}}"#, 8, |e| {
                 matches!(e, QuantError::BadHeader { .. })
             }),

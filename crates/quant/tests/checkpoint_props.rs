@@ -61,19 +61,28 @@ fn bytes(seed: u64, len: usize) -> Vec<u8> {
 
 /// Shard file names with inconsistent zero padding, as in published checkpoints.
 fn shard_name(i: usize, n: usize) -> String {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         format!("model-{:05}-of-{:06}.safetensors", i + 1, n)
     } else {
         format!("model-{}-of-{}.safetensors", i + 1, n)
     }
 }
 
-/// Checks that `ck` holds exactly `expected` (name -> (dtype, shape, shard file, bytes)).
-fn check(ck: &Checkpoint, expected: &BTreeMap<String, (Dtype, Vec<usize>, String, Vec<u8>)>) {
+/// What was written for one tensor.
+#[derive(Debug)]
+struct Written {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    shard: String,
+    data: Vec<u8>,
+}
+
+/// Checks that `ck` holds exactly `expected`.
+fn check(ck: &Checkpoint, expected: &BTreeMap<String, Written>) {
     assert_eq!(ck.len(), expected.len());
     assert!(ck.names().eq(expected.keys().map(String::as_str)), "names differ");
     let mut total = 0u64;
-    for (name, (dtype, shape, shard, data)) in expected {
+    for (name, Written { dtype, shape, shard, data }) in expected {
         let view = ck.tensor(name).expect("tensor present");
         assert_eq!(view.name, name);
         assert_eq!(view.dtype, *dtype);
@@ -114,7 +123,7 @@ proptest! {
             writers[shard].add(name.clone(), s.dtype, &s.shape, data.clone()).expect("add");
             let file = shard_name(shard, shard_count);
             weight_map.insert(name.clone(), file.clone());
-            expected.insert(name.clone(), (s.dtype, s.shape.clone(), file, data));
+            expected.insert(name.clone(), Written { dtype: s.dtype, shape: s.shape.clone(), shard: file, data });
         }
         for (i, w) in writers.iter().enumerate() {
             // Shards that received no tensor are not in the index; write them anyway as strays to be ignored.
