@@ -3,6 +3,8 @@
 //!
 //! Today this crate holds the run-time device choice ([`device`]); the model itself arrives with issue 3.
 
+pub mod chat;
 pub mod device;
+pub mod tokenizer;
 
 pub use eyrie_quant as quant;

@@ -356,10 +356,10 @@ fn main() {
             .map(|w| {
                 let (o, i) = (w.out_features(), w.in_features());
                 let rows_per = 64;
-                let mut out = vec![0f32; o * i];
+                let mut out = vec![half::bf16::ZERO; o * i];
                 out.par_chunks_mut(rows_per * i).enumerate().for_each(|(k, chunk)| {
                     let r0 = k * rows_per;
-                    w.dequantize_rows_into(r0..r0 + chunk.len() / i, chunk).expect("row range in bounds");
+                    w.dequantize_rows_bf16_into(r0..r0 + chunk.len() / i, chunk).expect("row range in bounds");
                 });
                 std::hint::black_box(out).len()
             })
@@ -387,8 +387,13 @@ fn main() {
         format!("{}; memcpy ceiling {copy1:.1} GB/s", fmt_peer(&peer1)),
     ));
     rows.push((
-        format!("dequant 24 routed INT4 linears, {threads} threads, f32"),
-        format!("{:.1} ms ({:.2} GB/s out f32)", all_s * 1e3, 2.0 * out_bytes as f64 / all_s / 1e9),
+        format!("dequant 24 routed INT4 linears, {threads} threads, bf16"),
+        format!(
+            "{:.1} ms ({:.2} GB/s out, {:.2} GB/s in)",
+            all_s * 1e3,
+            out_bytes as f64 / all_s / 1e9,
+            in_bytes as f64 / all_s / 1e9
+        ),
         format!("{}; memcpy ceiling {copyn:.1} GB/s", fmt_peer(&peern)),
     ));
     report.insert(

@@ -171,6 +171,30 @@ impl PackedInt4 {
         Ok(())
     }
 
+    /// Like [`PackedInt4::dequantize_rows_into`], writing bf16 (see [`PackedInt4::dequantize_bf16`]).
+    pub fn dequantize_rows_bf16_into(&self, rows: Range<usize>, out: &mut [bf16]) -> Result<()> {
+        if rows.start > rows.end || rows.end > self.out_features {
+            return Err(QuantError::invalid(
+                "rows",
+                format!("row range {rows:?} is outside 0..{} (out_features)", self.out_features),
+            ));
+        }
+        let expected = rows.len() * self.in_features;
+        if out.len() != expected {
+            return Err(QuantError::invalid(
+                "out",
+                format!(
+                    "output buffer holds {} values, {} rows x {} columns need {expected}",
+                    out.len(),
+                    rows.len(),
+                    self.in_features
+                ),
+            ));
+        }
+        self.write_rows_bf16(rows, out);
+        Ok(())
+    }
+
     /// Dequantizes the whole weight to f32 (`[out, in]`); every value is exactly representable in the scale dtype.
     pub fn dequantize_f32(&self) -> Vec<f32> {
         let mut out = vec![0.0f32; self.out_features * self.in_features];
@@ -181,7 +205,10 @@ impl PackedInt4 {
     /// Dequantizes the whole weight to bf16 (`[out, in]`). Bit-exact with the library when the scale dtype is BF16;
     /// for F16/F32 scales it is the library's output (in the scale dtype) rounded to bf16, i.e. `.to(torch.bfloat16)`.
     pub fn dequantize_bf16(&self) -> Vec<bf16> {
-        self.dequantize_f32().into_iter().map(bf16::from_f32).collect()
+        let mut out = vec![bf16::ZERO; self.out_features * self.in_features];
+        // Table values are exact in the scale dtype; for BF16 scales the conversion is the identity on them.
+        self.write_rows_bf16(0..self.out_features, &mut out);
+        out
     }
 
     /// Reproduces compressed-tensors' min-max calibration (`calculate_qparams` over per-group `amin`/`amax`, as the
@@ -351,36 +378,100 @@ impl PackedInt4 {
 
     /// Dequantizes `rows` into `out` (`[rows.len(), in]`); the caller has checked the range and the buffer size.
     fn write_rows(&self, rows: Range<usize>, out: &mut [f32]) {
+        self.write_rows_as(rows, out, |v| v);
+    }
+
+    /// Dequantizes `rows` into `out` through a per-group table of the 16 possible values, converted once per group
+    /// by `convert`; whole words are expanded eight values at a time.
+    fn write_rows_as<T: Copy + Default>(&self, rows: Range<usize>, out: &mut [T], convert: impl Fn(f32) -> T) {
         if self.in_features == 0 {
             return;
         }
         let n_groups = self.n_groups();
         let row_words = self.packed_row_words();
+        let word_aligned_groups = self.group_size.is_multiple_of(VALUES_PER_WORD);
+        if word_aligned_groups && self.in_features.is_multiple_of(self.group_size) {
+            // The common layout (compressed-tensors writes only whole groups): straight chunk walks.
+            let group_words = self.group_size / VALUES_PER_WORD;
+            for (row, out_row) in rows.zip(out.chunks_exact_mut(self.in_features)) {
+                let words = &self.packed[row * row_words..(row + 1) * row_words];
+                let scales = &self.scales[row * n_groups..(row + 1) * n_groups];
+                let zps = self.zero_points.as_ref().map(|z| &z[row * n_groups..(row + 1) * n_groups]);
+                for (g, (gw, go)) in
+                    words.chunks_exact(group_words).zip(out_row.chunks_exact_mut(self.group_size)).enumerate()
+                {
+                    let table = self.group_table(scales[g], zps.map_or(0, |z| i32::from(z[g])));
+                    let lut: [T; 16] = std::array::from_fn(|u| convert(table[u]));
+                    for (word, o8) in gw.iter().zip(go.chunks_exact_mut(VALUES_PER_WORD)) {
+                        let mut w = *word;
+                        for v in o8 {
+                            *v = lut[(w & 0xF) as usize];
+                            w >>= 4;
+                        }
+                    }
+                }
+            }
+            return;
+        }
         for (row, out_row) in rows.zip(out.chunks_exact_mut(self.in_features)) {
             let words = &self.packed[row * row_words..(row + 1) * row_words];
             for g in 0..n_groups {
                 let idx = row * n_groups + g;
                 let zp = self.zero_points.as_ref().map_or(0, |z| i32::from(z[idx]));
-                let lut = self.group_table(self.scales[idx], zp);
+                let table = self.group_table(self.scales[idx], zp);
+                let lut: [T; 16] = std::array::from_fn(|u| convert(table[u]));
                 let start = g * self.group_size;
                 let end = (start + self.group_size).min(self.in_features);
-                for (i, value) in (start..end).zip(&mut out_row[start..end]) {
+                let whole_end =
+                    if word_aligned_groups { start + (end - start) / VALUES_PER_WORD * VALUES_PER_WORD } else { start };
+                let group_words = &words[start / VALUES_PER_WORD..whole_end / VALUES_PER_WORD];
+                for (word, chunk) in group_words.iter().zip(out_row[start..whole_end].chunks_exact_mut(VALUES_PER_WORD))
+                {
+                    let mut w = *word;
+                    for v in chunk {
+                        *v = lut[(w & 0xF) as usize];
+                        w >>= 4;
+                    }
+                }
+                for (i, value) in (whole_end..end).zip(&mut out_row[whole_end..end]) {
                     *value = lut[nibble(words[i / VALUES_PER_WORD], i % VALUES_PER_WORD) as usize];
                 }
             }
         }
     }
 
-    /// The 16 dequantized values of one group, indexed by the stored nibble `u`.
-    fn group_table(&self, scale: f32, zp: i32) -> [f32; 16] {
-        let mut lut = [0.0f32; 16];
-        for (u, v) in lut.iter_mut().enumerate() {
-            // `u - 8 - zp` is in [-15, 15]: exact in every scale dtype.
-            let diff = (u as i32 - OFFSET - zp) as f32;
-            *v = round_to(diff * scale, self.scale_dtype);
+    /// bf16 output: table values are truncated when they already are bf16 values (BF16 scales), rounded to nearest
+    /// otherwise. Two monomorphised calls so the conversion inlines into the table loop.
+    fn write_rows_bf16(&self, rows: Range<usize>, out: &mut [bf16]) {
+        if self.scale_dtype == Dtype::BF16 {
+            self.write_rows_as(rows, out, |v| bf16::from_bits((v.to_bits() >> 16) as u16));
+        } else {
+            self.write_rows_as(rows, out, |v| bf16::from_bits(bf16_bits(v)));
         }
-        lut
     }
+
+    /// The 16 dequantized values of one group, indexed by the stored nibble `u`.
+    #[inline(always)]
+    fn group_table(&self, scale: f32, zp: i32) -> [f32; 16] {
+        // `u - 8 - zp` is in [-15, 15]: exact in every scale dtype.
+        let products: [f32; 16] = std::array::from_fn(|u| (u as i32 - OFFSET - zp) as f32 * scale);
+        match self.scale_dtype {
+            Dtype::BF16 => products.map(|p| f32::from_bits(u32::from(bf16_bits(p)) << 16)),
+            Dtype::F16 => products.map(|p| f16::from_f32(p).to_f32()),
+            _ => products,
+        }
+    }
+}
+
+/// `x` rounded to the nearest bf16 (ties to even), as bits; NaN stays NaN (quieted). Equal to
+/// `half::bf16::from_f32(x).to_bits()`, without its per-call dispatch, for the hot dequantization tables.
+#[inline]
+fn bf16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let rounded = (bits.wrapping_add(0x7FFF + ((bits >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = ((bits >> 16) | 0x0040) as u16;
+    // Branch-free select so the 16-entry table loops vectorise.
+    if x.is_nan() { quiet_nan } else { rounded }
 }
 
 /// Packs up to 8 signed values (in `[-8, 7]`) into one word, element 0 in the lowest nibble, missing values `u = 0`.
@@ -402,7 +493,7 @@ fn nibble(word: u32, j: usize) -> u32 {
 #[inline]
 fn round_to(x: f32, dtype: Dtype) -> f32 {
     match dtype {
-        Dtype::BF16 => bf16::from_f32(x).to_f32(),
+        Dtype::BF16 => f32::from_bits(u32::from(bf16_bits(x)) << 16),
         Dtype::F16 => f16::from_f32(x).to_f32(),
         _ => x,
     }
@@ -469,6 +560,25 @@ impl Dims {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fast_bf16_rounding_equals_half() {
+        let mut s = 0x1234_5678u32;
+        let specials = [0.0f32, -0.0, 1.0, f32::MAX, f32::MIN_POSITIVE, 1e-40, f32::INFINITY, f32::NEG_INFINITY];
+        let randoms = (0..200_000).map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            f32::from_bits(s)
+        });
+        for x in specials.into_iter().chain(randoms) {
+            if x.is_nan() {
+                assert!(bf16::from_bits(bf16_bits(x)).is_nan());
+            } else {
+                assert_eq!(bf16_bits(x), bf16::from_f32(x).to_bits(), "{x:e} ({:#010x})", x.to_bits());
+            }
+        }
+    }
 
     #[test]
     fn reference_doc_word() {

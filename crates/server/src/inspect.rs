@@ -162,8 +162,7 @@ type ConfigParts = (BTreeMap<String, Value>, Option<String>);
 fn read_config(path: &Path) -> Result<ConfigParts> {
     let cfg_path = if path.is_dir() { path.join("config.json") } else { path.with_file_name("config.json") };
     let Ok(text) = std::fs::read_to_string(&cfg_path) else { return Ok((BTreeMap::new(), None)) };
-    let json: Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: malformed JSON", cfg_path.display()))?;
+    let json: Value = serde_json::from_str(&text).with_context(|| format!("{}: malformed JSON", cfg_path.display()))?;
     let mut arch = BTreeMap::new();
     for key in ["architectures", "model_type"] {
         if let Some(v) = json.get(key) {

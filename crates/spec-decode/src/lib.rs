@@ -1,1 +1,1 @@
-//! eyrie-spec-decode
+//! eyrie-spec-decode: EAGLE-3 drafting and lossless verification (issue 5; nothing implemented yet).

@@ -1,1 +1,1 @@
-//! eyrie-train
+//! eyrie-train: the EAGLE-3 drafter training pipeline (nothing implemented yet).
