@@ -24,7 +24,7 @@ pub fn run(dir: &Path, name: &str, out: &Path, device: DeviceChoice) -> Result<(
         check_on_cuda(&weight, &values, index)?;
     }
     let mut w = SafetensorsWriter::new();
-    w.metadata("source", &format!("{} ({})", dir.display(), weight.kind().as_str()));
+    w.metadata("source", format!("{} ({})", dir.display(), weight.kind().as_str()));
     w.add_bf16(format!("{module}.weight"), &[o, i], &values)?;
     w.write(out)?;
     eprintln!("wrote {module}.weight [{o}, {i}] BF16 ({}) to {} on {device}", weight.kind().as_str(), out.display());

@@ -170,10 +170,10 @@ fn read_config(path: &Path) -> Result<ConfigParts> {
         }
     }
     let text_cfg = json.get("text_config").unwrap_or(&json);
-    if json.get("text_config").is_some() {
-        if let Some(v) = text_cfg.get("model_type") {
-            arch.insert("text_config.model_type".into(), v.clone());
-        }
+    if json.get("text_config").is_some()
+        && let Some(v) = text_cfg.get("model_type")
+    {
+        arch.insert("text_config.model_type".into(), v.clone());
     }
     for key in ARCH_KEYS {
         if let Some(v) = text_cfg.get(*key) {
