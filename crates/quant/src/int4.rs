@@ -149,48 +149,14 @@ impl PackedInt4 {
     ///
     /// Rows are independent, so parallel callers may hand disjoint row ranges to different threads.
     pub fn dequantize_rows_into(&self, rows: Range<usize>, out: &mut [f32]) -> Result<()> {
-        if rows.start > rows.end || rows.end > self.out_features {
-            return Err(QuantError::invalid(
-                "rows",
-                format!("row range {rows:?} is outside 0..{} (out_features)", self.out_features),
-            ));
-        }
-        let expected = rows.len() * self.in_features;
-        if out.len() != expected {
-            return Err(QuantError::invalid(
-                "out",
-                format!(
-                    "output buffer holds {} values, {} rows x {} columns need {expected}",
-                    out.len(),
-                    rows.len(),
-                    self.in_features
-                ),
-            ));
-        }
+        self.check_rows(&rows, out.len())?;
         self.write_rows(rows, out);
         Ok(())
     }
 
     /// Like [`PackedInt4::dequantize_rows_into`], writing bf16 (see [`PackedInt4::dequantize_bf16`]).
     pub fn dequantize_rows_bf16_into(&self, rows: Range<usize>, out: &mut [bf16]) -> Result<()> {
-        if rows.start > rows.end || rows.end > self.out_features {
-            return Err(QuantError::invalid(
-                "rows",
-                format!("row range {rows:?} is outside 0..{} (out_features)", self.out_features),
-            ));
-        }
-        let expected = rows.len() * self.in_features;
-        if out.len() != expected {
-            return Err(QuantError::invalid(
-                "out",
-                format!(
-                    "output buffer holds {} values, {} rows x {} columns need {expected}",
-                    out.len(),
-                    rows.len(),
-                    self.in_features
-                ),
-            ));
-        }
+        self.check_rows(&rows, out.len())?;
         self.write_rows_bf16(rows, out);
         Ok(())
     }
@@ -438,6 +404,28 @@ impl PackedInt4 {
                 }
             }
         }
+    }
+
+    /// Validates a row range and the length of the buffer it is written to.
+    fn check_rows(&self, rows: &Range<usize>, out_len: usize) -> Result<()> {
+        if rows.start > rows.end || rows.end > self.out_features {
+            return Err(QuantError::invalid(
+                "rows",
+                format!("row range {rows:?} is outside 0..{} (out_features)", self.out_features),
+            ));
+        }
+        let expected = rows.len() * self.in_features;
+        if out_len != expected {
+            return Err(QuantError::invalid(
+                "out",
+                format!(
+                    "output buffer holds {out_len} values, {} rows x {} columns need {expected}",
+                    rows.len(),
+                    self.in_features
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// bf16 output: table values are truncated when they already are bf16 values (BF16 scales), rounded to nearest
