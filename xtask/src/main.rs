@@ -15,11 +15,11 @@ const USAGE: &str = "\
 usage: cargo xtask <command>
 
 commands:
-  ci                 what CI runs: fmt check, tidy, clippy -D warnings, the whole test suite
-  tidy               check the crate graph (cargo metadata) and file hygiene
-  test               the whole test suite only (cargo test --workspace)
-  fixtures [quant]   regenerate committed fixtures with the Python reference libraries
-  bench load         safetensors index/map and CPU dequantization throughput (bench/load.json)
+  ci                      what CI runs: fmt check, tidy, clippy -D warnings, the whole test suite
+  tidy                    check the crate graph (cargo metadata) and file hygiene
+  test                    the whole test suite only (cargo test --workspace)
+  fixtures [quant|model]  regenerate committed fixtures with the Python reference libraries
+  bench load              safetensors index/map and CPU dequantization throughput (bench/load.json)
 ";
 
 fn main() -> Result<()> {
@@ -83,8 +83,9 @@ fn fixtures(args: &[String]) -> Result<()> {
     let which = args.first().map(String::as_str).unwrap_or("all");
     let scripts: &[&str] = match which {
         "quant" => &["scripts/fixtures_quant.py"],
-        "all" => &["scripts/fixtures_quant.py"],
-        other => bail!("unknown fixture set {other:?} (quant, all)"),
+        "model" => &["scripts/fixtures_model.py"],
+        "all" => &["scripts/fixtures_quant.py", "scripts/fixtures_model.py"],
+        other => bail!("unknown fixture set {other:?} (quant, model, all)"),
     };
     for s in scripts {
         run(Command::new("python3").arg(s))?;

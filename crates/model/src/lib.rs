@@ -1,10 +1,27 @@
 //! DeepSeek-V3 / MLA model definitions on burn, generic over the backend; KV cache; tokenizers and chat
 //! templates; hidden-state capture for EAGLE-3.
 //!
-//! Today this crate holds the run-time device choice ([`device`]); the model itself arrives with issue 3.
+//! The model: [`config`] (config.json -> [`config::ModelConfig`]), [`deepseek_v3`] (the decoder) built from
+//! [`rms_norm`], [`rope`], [`mla`], [`mlp`], [`moe`] and [`linear`], loaded by [`weights`]; errors in [`error`];
+//! the paged compressed MLA KV cache and absorbed decode in [`kv_cache`].
+//! Also the run-time device choice ([`device`]).
 
 pub mod chat;
+pub mod config;
+pub mod deepseek_v3;
 pub mod device;
+pub mod error;
+pub mod kv_cache;
+pub mod linear;
+pub mod mla;
+pub mod mlp;
+pub mod moe;
+pub mod rms_norm;
+pub mod rope;
 pub mod tokenizer;
+pub mod weights;
 
+pub use config::ModelConfig;
+pub use deepseek_v3::DeepseekV3;
+pub use error::ModelError;
 pub use eyrie_quant as quant;

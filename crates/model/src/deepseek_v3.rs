@@ -1,0 +1,328 @@
+//! The DeepSeek-V3 decoder (arXiv:2412.19437; Kimi-K2 / K2.5 share it), as transformers'
+//! `DeepseekV3ForCausalLM` (`models/deepseek_v3/modeling_deepseek_v3.py`, v5.24):
+//! `embed -> L x [h = x + MLA(RMSNorm(x)); x = h + FFN(RMSNorm(h))] -> RMSNorm -> lm_head`, where FFN is a dense
+//! SwiGLU MLP in layers `< first_k_dense_replace` and an MoE block after. No embedding or logit scaling.
+//!
+//! Compute is f32 on any burn backend. [`DeepseekV3::forward`] runs whole sequences from position 0 in MLA's full
+//! form; [`DeepseekV3::forward_cached`] runs new tokens of one sequence over a paged compressed KV cache in the
+//! absorbed form ([`crate::kv_cache`]).
+
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use eyrie_quant::Checkpoint;
+
+use crate::config::{LATENT_NORM_EPS, LayerKind, ModelConfig};
+use crate::error::{ModelError, Result};
+use crate::kv_cache::{PagedMlaCache, SequenceCache};
+use crate::linear::Linear;
+use crate::mla::{Mla, QueryProjection};
+use crate::mlp::Mlp;
+use crate::moe::{Moe, RouterParams};
+use crate::rms_norm::RmsNorm;
+use crate::rope::{RopeTables, RotaryEmbedding};
+use crate::weights::WeightLoader;
+
+/// The feed-forward half of a decoder layer.
+#[derive(Debug, Clone)]
+pub enum FeedForward<B: Backend> {
+    /// A dense SwiGLU MLP.
+    Dense(Mlp<B>),
+    /// Routed + shared experts.
+    Moe(Box<Moe<B>>),
+}
+
+/// One decoder layer.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer<B: Backend> {
+    /// Pre-attention norm.
+    pub input_layernorm: RmsNorm<B>,
+    /// Multi-head latent attention.
+    pub self_attn: Mla<B>,
+    /// Pre-FFN norm.
+    pub post_attention_layernorm: RmsNorm<B>,
+    /// Dense MLP or MoE.
+    pub mlp: FeedForward<B>,
+}
+
+impl<B: Backend> DecoderLayer<B> {
+    /// `[b, s, d] -> [b, s, d]`.
+    pub fn forward(&self, x: Tensor<B, 3>, rope: &RotaryEmbedding, tables: &RopeTables<B>) -> Tensor<B, 3> {
+        let [b, s, d] = x.dims();
+        let h = x.clone() + self.self_attn.forward(self.input_layernorm.forward(x), rope, tables);
+        // [b*s, d]
+        let normed = self.post_attention_layernorm.forward(h.clone()).reshape([b * s, d]);
+        let ffn = match &self.mlp {
+            FeedForward::Dense(mlp) => mlp.forward(normed),
+            FeedForward::Moe(moe) => moe.forward(normed),
+        };
+        h + ffn.reshape([b, s, d])
+    }
+
+    /// The same layer over the absorbed, cached attention: `x` `[n, d]` are new tokens of `seq` at positions
+    /// `start..start + n` -> `[n, d]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_cached(
+        &self,
+        x: Tensor<B, 2>,
+        rope: &RotaryEmbedding,
+        tables: &RopeTables<B>,
+        cache: &mut PagedMlaCache<B>,
+        layer: usize,
+        seq: &SequenceCache,
+        start: usize,
+    ) -> Tensor<B, 2> {
+        let attn = self.self_attn.forward_absorbed(
+            self.input_layernorm.forward(x.clone()),
+            rope,
+            tables,
+            cache,
+            layer,
+            seq,
+            start,
+        );
+        let h = x + attn;
+        let normed = self.post_attention_layernorm.forward(h.clone());
+        let ffn = match &self.mlp {
+            FeedForward::Dense(mlp) => mlp.forward(normed),
+            FeedForward::Moe(moe) => moe.forward(normed),
+        };
+        h + ffn
+    }
+}
+
+/// Logits plus the hidden states transformers reports with `output_hidden_states=True`.
+#[derive(Debug, Clone)]
+pub struct ForwardOutput<B: Backend> {
+    /// `[b, s, vocab]`.
+    pub logits: Tensor<B, 3>,
+    /// `num_hidden_layers + 1` entries of `[b, s, d]`: entry `i < L` is the residual stream at the INPUT of layer
+    /// `i` (entry 0 = the embeddings); entry `L` is the final normed state (`model.norm` output, what `lm_head`
+    /// reads), as transformers' `hidden_states`.
+    pub hidden_states: Vec<Tensor<B, 3>>,
+}
+
+/// The model.
+#[derive(Debug, Clone)]
+pub struct DeepseekV3<B: Backend> {
+    /// The validated config.
+    pub config: ModelConfig,
+    /// `model.embed_tokens.weight` `[vocab, d]`.
+    pub embed_tokens: Tensor<B, 2>,
+    /// Decoder layers.
+    pub layers: Vec<DecoderLayer<B>>,
+    /// Final norm.
+    pub norm: RmsNorm<B>,
+    /// `lm_head` `[vocab, d]` (the embedding when tied).
+    pub lm_head: Linear<B>,
+    /// RoPE parameters.
+    pub rope: RotaryEmbedding,
+}
+
+impl<B: Backend> DeepseekV3<B> {
+    /// Loads config.json and the checkpoint in `dir` onto `device`.
+    pub fn load(dir: impl AsRef<Path>, device: &B::Device) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir.as_ref())?;
+        let ckpt = Checkpoint::open(dir.as_ref())?;
+        Self::from_checkpoint(config, &ckpt, device)
+    }
+
+    /// Builds the model from an open checkpoint; fails if any checkpoint tensor is left unused (see
+    /// [`crate::weights`]).
+    pub fn from_checkpoint(config: ModelConfig, ckpt: &Checkpoint, device: &B::Device) -> Result<Self> {
+        let mut w = WeightLoader::new(ckpt, &config)?;
+        let c = &config;
+        let d = c.hidden_size;
+        let embed_tokens = w.tensor::<B, 2>("model.embed_tokens.weight", [c.vocab_size, d], device)?;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for i in 0..c.num_hidden_layers {
+            layers.push(load_layer(&mut w, c, i, device)?);
+        }
+        let norm = RmsNorm::new(w.tensor("model.norm.weight", [d], device)?, c.rms_norm_eps);
+        let lm_head = if c.tie_word_embeddings {
+            Linear::from_weight(embed_tokens.clone())
+        } else {
+            w.linear("lm_head", [c.vocab_size, d], device)?
+        };
+        w.finish()?;
+        let rope = RotaryEmbedding::new(c);
+        Ok(Self { config, embed_tokens, layers, norm, lm_head, rope })
+    }
+
+    /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary (rows must be non-empty and of equal
+    /// length).
+    pub fn token_tensor(&self, rows: &[&[u32]], device: &B::Device) -> Result<Tensor<B, 2, Int>> {
+        let seq = rows.first().map_or(0, |r| r.len());
+        if seq == 0 || rows.iter().any(|r| r.len() != seq) {
+            return Err(ModelError::Input { message: "token rows must be non-empty and of equal length".into() });
+        }
+        let mut ids = Vec::with_capacity(rows.len() * seq);
+        for &t in rows.iter().flat_map(|r| r.iter()) {
+            if t as usize >= self.config.vocab_size {
+                return Err(ModelError::Input {
+                    message: format!("token id {t} is outside the vocabulary (size {})", self.config.vocab_size),
+                });
+            }
+            ids.push(i64::from(t));
+        }
+        Ok(Tensor::from_data(TensorData::new(ids, [rows.len(), seq]), device))
+    }
+
+    /// Logits `[b, s, vocab]` for `tokens` `[b, s]` (ids must be `< vocab_size`; see [`Self::token_tensor`]).
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.run(tokens, false).logits
+    }
+
+    /// Logits and every hidden state (see [`ForwardOutput`]).
+    pub fn forward_with_hidden(&self, tokens: Tensor<B, 2, Int>) -> ForwardOutput<B> {
+        self.run(tokens, true)
+    }
+
+    fn run(&self, tokens: Tensor<B, 2, Int>, keep_hidden: bool) -> ForwardOutput<B> {
+        let [b, s] = tokens.dims();
+        let d = self.config.hidden_size;
+        let device = tokens.device();
+        // [b*s] -> [b*s, d] -> [b, s, d]
+        let mut x = self.embed_tokens.clone().select(0, tokens.reshape([b * s])).reshape([b, s, d]);
+        let tables = self.rope.tables::<B>(0, s, &device);
+        let mut hidden_states = Vec::with_capacity(if keep_hidden { self.layers.len() + 1 } else { 0 });
+        for layer in &self.layers {
+            if keep_hidden {
+                hidden_states.push(x.clone());
+            }
+            x = layer.forward(x, &self.rope, &tables);
+        }
+        let x = self.norm.forward(x);
+        if keep_hidden {
+            hidden_states.push(x.clone());
+        }
+        let logits = self.lm_head.forward(x.reshape([b * s, d])).reshape([b, s, self.config.vocab_size]);
+        ForwardOutput { logits, hidden_states }
+    }
+
+    /// Runs `tokens` (new tokens of `seq`, appended after its `seq.len` cached ones) through the absorbed MLA over
+    /// `cache` and returns their logits `[n, vocab]`; `seq` grows by `n`. A prefill is the first call on an empty
+    /// `seq`, a decode step a call with one token.
+    pub fn forward_cached(
+        &self,
+        tokens: &[u32],
+        cache: &mut PagedMlaCache<B>,
+        seq: &mut SequenceCache,
+        device: &B::Device,
+    ) -> Result<Tensor<B, 2>> {
+        let ids = self.token_tensor(&[tokens], device)?;
+        let (n, d, start) = (tokens.len(), self.config.hidden_size, seq.len);
+        cache.reserve(seq, n)?;
+        // [n, d]
+        let mut x = self.embed_tokens.clone().select(0, ids.reshape([n]));
+        let tables = self.rope.tables::<B>(start, n, device);
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward_cached(x, &self.rope, &tables, cache, i, seq, start);
+        }
+        seq.len += n;
+        debug_assert_eq!(x.dims(), [n, d]);
+        Ok(self.lm_head.forward(self.norm.forward(x)))
+    }
+
+    /// Greedy decoding of `n` tokens after `prompt` (no end-of-sequence stop), re-running the full forward at each
+    /// step (there is no KV cache yet). Ties go to the lowest token id.
+    pub fn generate_greedy(&self, prompt: &[u32], n: usize, device: &B::Device) -> Result<Vec<u32>> {
+        let mut seq = prompt.to_vec();
+        for _ in 0..n {
+            let tokens = self.token_tensor(&[&seq], device)?;
+            let s = seq.len();
+            // [1, 1, vocab] -> [vocab]
+            let last = self.forward(tokens).narrow(1, s - 1, 1).reshape([self.config.vocab_size]);
+            let values = last.into_data().convert::<f32>().to_vec::<f32>().expect("f32 data after convert");
+            let best = values
+                .iter()
+                .enumerate()
+                .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
+                .0;
+            seq.push(best as u32);
+        }
+        Ok(seq[prompt.len()..].to_vec())
+    }
+}
+
+fn load_layer<B: Backend>(
+    w: &mut WeightLoader<'_>,
+    c: &ModelConfig,
+    i: usize,
+    device: &B::Device,
+) -> Result<DecoderLayer<B>> {
+    let p = format!("model.layers.{i}");
+    let d = c.hidden_size;
+    let h = c.num_heads;
+    let q = match c.q_lora_rank {
+        Some(r) => QueryProjection::Lora {
+            q_a_proj: w.linear(&format!("{p}.self_attn.q_a_proj"), [r, d], device)?,
+            q_a_layernorm: RmsNorm::new(
+                w.tensor(&format!("{p}.self_attn.q_a_layernorm.weight"), [r], device)?,
+                LATENT_NORM_EPS,
+            ),
+            q_b_proj: w.linear(&format!("{p}.self_attn.q_b_proj"), [h * c.qk_head_dim(), r], device)?,
+        },
+        None => QueryProjection::Plain {
+            q_proj: w.linear(&format!("{p}.self_attn.q_proj"), [h * c.qk_head_dim(), d], device)?,
+        },
+    };
+    let r = c.kv_lora_rank;
+    let self_attn = Mla {
+        q,
+        kv_a_proj_with_mqa: w.linear(&format!("{p}.self_attn.kv_a_proj_with_mqa"), [c.kv_a_dim(), d], device)?,
+        kv_a_layernorm: RmsNorm::new(
+            w.tensor(&format!("{p}.self_attn.kv_a_layernorm.weight"), [r], device)?,
+            LATENT_NORM_EPS,
+        ),
+        kv_b_proj: w.linear(
+            &format!("{p}.self_attn.kv_b_proj"),
+            [h * (c.qk_nope_head_dim + c.v_head_dim), r],
+            device,
+        )?,
+        o_proj: w.linear(&format!("{p}.self_attn.o_proj"), [d, h * c.v_head_dim], device)?,
+        num_heads: h,
+        qk_nope_head_dim: c.qk_nope_head_dim,
+        qk_rope_head_dim: c.qk_rope_head_dim,
+        v_head_dim: c.v_head_dim,
+        kv_lora_rank: r,
+        softmax_scale: c.softmax_scale(),
+    };
+    let mlp = |w: &mut WeightLoader<'_>, prefix: &str, inter: usize| -> Result<Mlp<B>> {
+        Ok(Mlp {
+            gate_proj: w.linear(&format!("{prefix}.gate_proj"), [inter, d], device)?,
+            up_proj: w.linear(&format!("{prefix}.up_proj"), [inter, d], device)?,
+            down_proj: w.linear(&format!("{prefix}.down_proj"), [d, inter], device)?,
+        })
+    };
+    let ffn = match c.layer_kind(i) {
+        LayerKind::Dense => FeedForward::Dense(mlp(w, &format!("{p}.mlp"), c.intermediate_size)?),
+        LayerKind::Moe => {
+            let e = c.n_routed_experts;
+            let gate = w.linear(&format!("{p}.mlp.gate"), [e, d], device)?;
+            let e_score_correction_bias = w.host_vector(&format!("{p}.mlp.gate.e_score_correction_bias"), e)?;
+            let experts = (0..e)
+                .map(|j| mlp(w, &format!("{p}.mlp.experts.{j}"), c.moe_intermediate_size))
+                .collect::<Result<Vec<_>>>()?;
+            let shared_experts = mlp(w, &format!("{p}.mlp.shared_experts"), c.shared_intermediate_size())?;
+            let params = RouterParams {
+                top_k: c.num_experts_per_tok,
+                n_group: c.n_group,
+                topk_group: c.topk_group,
+                norm_topk_prob: c.norm_topk_prob,
+                routed_scaling_factor: c.routed_scaling_factor as f32,
+            };
+            FeedForward::Moe(Box::new(Moe { gate, e_score_correction_bias, experts, shared_experts, params }))
+        }
+    };
+    Ok(DecoderLayer {
+        input_layernorm: RmsNorm::new(w.tensor(&format!("{p}.input_layernorm.weight"), [d], device)?, c.rms_norm_eps),
+        self_attn,
+        post_attention_layernorm: RmsNorm::new(
+            w.tensor(&format!("{p}.post_attention_layernorm.weight"), [d], device)?,
+            c.rms_norm_eps,
+        ),
+        mlp: ffn,
+    })
+}

@@ -1,0 +1,101 @@
+//! A bias-free Linear layer, `y = x W^T`, whose weight comes from a checkpoint's [`LinearWeight`]: dense (BF16,
+//! F16, F32), compressed-tensors INT4, or FP8 with block scales.
+//!
+//! For now every kind becomes a dense f32 `W^T` on the device at load time: INT4 is uploaded packed and dequantized
+//! on the device ([`Int4Tensors::dequantize`], bit-exact with compressed-tensors), FP8 is dequantized on the host.
+//! Fused INT4 matmul kernels that keep the packed layout in memory come with issue 4; they will be one more variant
+//! of [`Linear`]'s storage, not a twin of the model.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor, TensorData};
+use eyrie_quant::LinearWeight;
+use eyrie_quant::burn::{Int4Tensors, dense_tensor};
+
+use crate::error::Result;
+
+/// A Linear layer `[.., in] -> [.., out]` without bias.
+#[derive(Debug, Clone)]
+pub struct Linear<B: Backend> {
+    /// The transposed weight `W^T`, `[in, out]`, in f32.
+    pub weight_t: Tensor<B, 2>,
+}
+
+impl<B: Backend> Linear<B> {
+    /// Wraps a weight `W` of shape `[out, in]`.
+    pub fn from_weight(weight: Tensor<B, 2>) -> Self {
+        Self { weight_t: weight.cast(FloatDType::F32).transpose() }
+    }
+
+    /// Uploads a checkpoint weight to `device` (see the module docs for what each kind becomes).
+    pub fn load(weight: &LinearWeight<'_>, device: &B::Device) -> Result<Self> {
+        let w: Tensor<B, 2> = match weight {
+            LinearWeight::Dense(view) => dense_tensor::<B, 2>(view, device)?,
+            LinearWeight::Int4(packed) => Int4Tensors::<B>::upload(packed, device).dequantize(),
+            LinearWeight::Fp8Block { .. } => {
+                let [out, inp] = weight.shape();
+                Tensor::from_data(TensorData::new(weight.dequantize_f32()?, [out, inp]), device)
+            }
+        };
+        Ok(Self::from_weight(w))
+    }
+
+    /// `[in]` and `[out]`.
+    pub fn dims(&self) -> [usize; 2] {
+        self.weight_t.dims()
+    }
+
+    /// `[n, in] -> [n, out]`.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        x.matmul(self.weight_t.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::Flex;
+    use eyrie_quant::{Checkpoint, Dtype, PackedInt4, SafetensorsWriter};
+
+    /// Every storage kind loads to exactly the f32 weight `LinearWeight::dequantize_f32` gives, and `forward`
+    /// computes `x W^T`.
+    #[test]
+    fn every_weight_kind_loads_to_its_dequantized_values() {
+        let device = Default::default();
+        let (out, inp) = (130, 64);
+        let w: Vec<f32> = (0..out * inp).map(|i| ((i * 7919 % 1013) as f32 - 506.0) / 512.0).collect();
+        let mut wr = SafetensorsWriter::new();
+        wr.add_bf16("dense.weight", &[out, inp], &w.iter().map(|&v| half::bf16::from_f32(v)).collect::<Vec<_>>())
+            .unwrap();
+        // FP8 E4M3 bytes (any byte but the NaN codes 0x7f / 0xff is a finite value) with 128x128 block scales.
+        let fp8: Vec<u8> = (0..out * inp).map(|i| (i * 37 % 251) as u8 & 0x7e).collect();
+        wr.add("fp8.weight", Dtype::F8_E4M3, &[out, inp], fp8).unwrap();
+        wr.add_f32("fp8.weight_scale_inv", &[2, 1], &[0.5, 3.0]).unwrap();
+        let q = PackedInt4::quantize_minmax(&w, out, inp, 32, true, Dtype::BF16).unwrap();
+        wr.add_u32_as_i32("int4.weight_packed", &[out, inp / 8], q.packed()).unwrap();
+        let scales: Vec<half::bf16> = q.scales().iter().map(|&s| half::bf16::from_f32(s)).collect();
+        wr.add_bf16("int4.weight_scale", &[out, inp / 32], &scales).unwrap();
+        wr.add_i64("int4.weight_shape", &[2], &[out as i64, inp as i64]).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        wr.write(dir.path().join("model.safetensors")).unwrap();
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+
+        let x: Vec<f32> = (0..3 * inp).map(|i| (i % 11) as f32 - 5.0).collect();
+        for (prefix, kind) in [("dense", "Dense"), ("fp8", "Fp8Block"), ("int4", "Int4")] {
+            let weight = LinearWeight::load(&ckpt, prefix, Some(32)).unwrap();
+            assert_eq!(format!("{:?}", weight.kind()), kind);
+            let want = weight.dequantize_f32().unwrap();
+            let linear = Linear::<Flex>::load(&weight, &device).unwrap();
+            assert_eq!(linear.dims(), [inp, out]);
+            let got = linear.weight_t.clone().transpose().into_data().to_vec::<f32>().unwrap();
+            assert_eq!(got, want, "{prefix}");
+            let xt = Tensor::<Flex, 2>::from_data(TensorData::new(x.clone(), [3, inp]), &device);
+            let y = linear.forward(xt).into_data().to_vec::<f32>().unwrap();
+            for r in 0..3 {
+                for o in (0..out).step_by(17) {
+                    let dot: f64 = (0..inp).map(|i| f64::from(x[r * inp + i]) * f64::from(want[o * inp + i])).sum();
+                    assert!((f64::from(y[r * out + o]) - dot).abs() <= 1e-4 * dot.abs().max(1.0), "{prefix} {r},{o}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,28 @@
+//! The SwiGLU feed-forward block of DeepSeek-V3 (dense layers, each routed expert, the shared expert):
+//! `down(silu(gate(x)) * up(x))`, as transformers' `DeepseekV3MLP`.
+
+use burn::tensor::Tensor;
+use burn::tensor::activation::silu;
+use burn::tensor::backend::Backend;
+
+use crate::linear::Linear;
+
+/// `gate_proj`, `up_proj` (`[inter, d]`) and `down_proj` (`[d, inter]`).
+#[derive(Debug, Clone)]
+pub struct Mlp<B: Backend> {
+    /// Gate projection.
+    pub gate_proj: Linear<B>,
+    /// Up projection.
+    pub up_proj: Linear<B>,
+    /// Down projection.
+    pub down_proj: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    /// `[n, d] -> [n, d]`.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        // [n, inter]
+        let h = silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x);
+        self.down_proj.forward(h)
+    }
+}

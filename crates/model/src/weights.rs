@@ -1,0 +1,143 @@
+//! Loading weights by checkpoint key (STYLE rule 3), with the bookkeeping that proves every checkpoint tensor is
+//! consumed exactly once.
+//!
+//! Model code asks for tensors by their canonical DeepSeek-V3 name (`model.layers.0.self_attn.kv_b_proj`,
+//! `lm_head.weight`); [`ModelConfig::weight_name`] is the one remap (Kimi-K2.5's `language_model.` prefix).
+//! [`WeightLoader::finish`] then fails with [`ModelError::UnusedTensors`] listing every checkpoint tensor nobody
+//! asked for, except the ones skipped on purpose ([`skip_reason`]): K2.5's vision tower and projector, and
+//! DeepSeek's MTP layers `model.layers.{num_hidden_layers + i}.*`.
+
+use std::collections::BTreeSet;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, Tensor};
+use eyrie_quant::burn::dense_tensor;
+use eyrie_quant::{Checkpoint, LinearWeight, QuantPlan, QuantScheme};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::linear::Linear;
+
+/// Why a checkpoint tensor is deliberately not loaded, if it is one of those.
+pub fn skip_reason(config: &ModelConfig, name: &str) -> Option<&'static str> {
+    if !config.weight_prefix.is_empty() && (name.starts_with("vision_tower.") || name.starts_with("mm_projector.")) {
+        return Some("vision encoder (text-only model)");
+    }
+    let layers = name.strip_prefix(&config.weight_name("model.layers."))?;
+    let index: usize = layers.split('.').next()?.parse().ok()?;
+    let mtp = config.num_hidden_layers..config.num_hidden_layers + config.num_nextn_predict_layers;
+    mtp.contains(&index).then_some("multi-token-prediction layer")
+}
+
+/// Reads tensors for the model from one checkpoint and records which were used.
+#[derive(Debug)]
+pub struct WeightLoader<'a> {
+    ckpt: &'a Checkpoint,
+    config: &'a ModelConfig,
+    plan: Option<QuantPlan>,
+    used: BTreeSet<String>,
+}
+
+impl<'a> WeightLoader<'a> {
+    /// A loader for `ckpt` described by `config` (its quantization config, if any, gives INT4 group sizes).
+    pub fn new(ckpt: &'a Checkpoint, config: &'a ModelConfig) -> Result<Self> {
+        let plan = config.quantization()?.map(|q| q.plan()).transpose()?;
+        Ok(Self { ckpt, config, plan, used: BTreeSet::new() })
+    }
+
+    fn missing(&self, name: String) -> ModelError {
+        ModelError::MissingTensor { checkpoint: self.ckpt.root().to_path_buf(), tensor: name }
+    }
+
+    fn consume(&mut self, name: &str) -> Result<()> {
+        if !self.ckpt.contains(name) {
+            return Err(self.missing(name.to_owned()));
+        }
+        if !self.used.insert(name.to_owned()) {
+            return Err(ModelError::UnsupportedWeight {
+                checkpoint: self.ckpt.root().to_path_buf(),
+                tensor: name.to_owned(),
+                message: "requested twice by the model (loader bug)".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn check_shape(&self, name: &str, expected: &[usize], found: &[usize]) -> Result<()> {
+        if expected == found {
+            Ok(())
+        } else {
+            Err(ModelError::TensorShape {
+                checkpoint: self.ckpt.root().to_path_buf(),
+                tensor: name.to_owned(),
+                expected: expected.to_vec(),
+                found: found.to_vec(),
+            })
+        }
+    }
+
+    /// The float tensor `canonical` (e.g. `model.norm.weight`) of the given shape, as f32 on `device`.
+    pub fn tensor<B: Backend, const D: usize>(
+        &mut self,
+        canonical: &str,
+        shape: [usize; D],
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>> {
+        let name = self.config.weight_name(canonical);
+        self.consume(&name)?;
+        let view = self.ckpt.tensor(&name)?;
+        self.check_shape(&name, &shape, view.shape)?;
+        Ok(dense_tensor::<B, D>(&view, device)?.cast(FloatDType::F32))
+    }
+
+    /// The float vector `canonical` of length `len`, on the host in f32.
+    pub fn host_vector(&mut self, canonical: &str, len: usize) -> Result<Vec<f32>> {
+        let name = self.config.weight_name(canonical);
+        self.consume(&name)?;
+        let view = self.ckpt.tensor(&name)?;
+        self.check_shape(&name, &[len], view.shape)?;
+        Ok(view.to_f32_vec()?)
+    }
+
+    /// The Linear stored under `canonical` (`model.layers.1.mlp.experts.0.gate_proj`) with weight `[out, in]`,
+    /// dense, INT4 or FP8 (whichever tensors the checkpoint has).
+    pub fn linear<B: Backend>(&mut self, canonical: &str, shape: [usize; 2], device: &B::Device) -> Result<Linear<B>> {
+        let name = self.config.weight_name(canonical);
+        let group = match self.plan.as_ref().and_then(|p| p.scheme_for(&name, "Linear")) {
+            Some(QuantScheme::Int4Group { group_size, .. }) => Some(group_size.columns(shape[1])),
+            _ => None,
+        };
+        let parts: Vec<String> = if self.ckpt.contains(&format!("{name}.weight_packed")) {
+            ["weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"]
+                .iter()
+                .map(|p| format!("{name}.{p}"))
+                .filter(|t| t.ends_with("weight_packed") || t.ends_with("weight_scale") || self.ckpt.contains(t))
+                .collect()
+        } else if self.ckpt.contains(&format!("{name}.weight_scale_inv")) {
+            vec![format!("{name}.weight"), format!("{name}.weight_scale_inv")]
+        } else {
+            vec![format!("{name}.weight")]
+        };
+        for p in &parts {
+            self.consume(p)?;
+        }
+        let weight = LinearWeight::load(self.ckpt, &name, group)?;
+        self.check_shape(&format!("{name}.weight"), &shape, &weight.shape())?;
+        Linear::load(&weight, device)
+    }
+
+    /// Ends loading: an error listing every checkpoint tensor that was neither used nor deliberately skipped.
+    pub fn finish(self) -> Result<()> {
+        let unused: Vec<String> = self
+            .ckpt
+            .names()
+            .filter(|n| !self.used.contains(*n) && skip_reason(self.config, n).is_none())
+            .map(str::to_owned)
+            .collect();
+        if unused.is_empty() {
+            Ok(())
+        } else {
+            Err(ModelError::UnusedTensors { checkpoint: self.ckpt.root().to_path_buf(), tensors: unused })
+        }
+    }
+}
