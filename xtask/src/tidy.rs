@@ -30,6 +30,7 @@ pub fn run(root: &Path) -> Result<()> {
     check_graph(&mut problems)?;
     check_quant_closure(&mut problems)?;
     check_file_headers(root, &mut problems)?;
+    check_exact_pins(root, &mut problems)?;
     if problems.is_empty() {
         eprintln!("tidy: ok");
         Ok(())
@@ -123,6 +124,33 @@ fn check_quant_closure(problems: &mut Vec<String>) -> Result<()> {
     }
     for s in seen {
         problems.push(format!("eyrie-quant (no features) pulls in {s}: quant must stay reusable alone"));
+    }
+    Ok(())
+}
+
+/// Every registry dependency in `[workspace.dependencies]` is pinned exactly (`=x.y.z`): builds here are offline-ish
+/// and slow, and a silent minor bump of burn/CubeCL has broken builds before.
+fn check_exact_pins(root: &Path, problems: &mut Vec<String>) -> Result<()> {
+    let text = std::fs::read_to_string(root.join("Cargo.toml")).context("reading Cargo.toml")?;
+    let mut in_table = false;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_table = line == "[workspace.dependencies]";
+            continue;
+        }
+        if !in_table || line.is_empty() || line.starts_with('#') || line.contains("path =") {
+            continue;
+        }
+        let Some((name, spec)) = line.split_once('=') else { continue };
+        let version = match spec.trim().strip_prefix('"') {
+            Some(v) => v.split('"').next().unwrap_or_default().to_string(),
+            None => spec.split("version").nth(1).and_then(|v| v.split('"').nth(1)).unwrap_or_default().to_string(),
+        };
+        if !version.starts_with('=') {
+            problems
+                .push(format!("Cargo.toml: workspace dependency {} is not pinned exactly ({version:?})", name.trim()));
+        }
     }
     Ok(())
 }
