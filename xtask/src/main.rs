@@ -19,6 +19,8 @@ commands:
   tidy                    check the crate graph (cargo metadata) and file hygiene
   test                    the whole test suite only (cargo test --workspace)
   fixtures [quant|model]  regenerate committed fixtures with the Python reference libraries
+  gpu-bundle              release binary + GPU check inputs in .device/ for the device machine
+                          (then there: python3 scripts/gpu_check.py)
   bench load              safetensors index/map and CPU dequantization throughput (bench/load.json)
 ";
 
@@ -32,6 +34,7 @@ fn main() -> Result<()> {
         Some("test") => test(),
         Some("fixtures") => fixtures(&args[1..]),
         Some("bench") => bench::run(&root, &args[1..]),
+        Some("gpu-bundle") => gpu_bundle(&root),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");
             Ok(())
@@ -90,5 +93,27 @@ fn fixtures(args: &[String]) -> Result<()> {
     for s in scripts {
         run(Command::new("python3").arg(s))?;
     }
+    Ok(())
+}
+
+/// Prepares `.device/` (git-ignored through .git/info/exclude) for a GPU run: the stripped release binary and a
+/// Kimi-shaped INT4 expert checkpoint written by the real compressed-tensors library.
+fn gpu_bundle(root: &Path) -> Result<()> {
+    let dir = root.join(".device");
+    std::fs::create_dir_all(&dir).with_context(|| dir.display().to_string())?;
+    let exclude = root.join(".git/info/exclude");
+    if let Ok(text) = std::fs::read_to_string(&exclude)
+        && !text.lines().any(|l| l.trim() == "/.device/")
+    {
+        std::fs::write(&exclude, format!("{text}\n/.device/\n")).with_context(|| exclude.display().to_string())?;
+    }
+    run(cargo().args(["build", "--release", "--locked", "--package", "eyrie-server", "--bin", "eyrie"]))?;
+    let bin = dir.join("eyrie");
+    std::fs::copy(root.join("target/release/eyrie"), &bin).context("copying the release binary")?;
+    run(Command::new("strip").arg(&bin))?;
+    if !dir.join("kimi_expert/model.safetensors").exists() {
+        run(Command::new("python3").arg("scripts/kimi_expert_checkpoint.py").arg(dir.join("kimi_expert")))?;
+    }
+    eprintln!("ready: carry .device and run `python3 scripts/gpu_check.py` on the device machine");
     Ok(())
 }
