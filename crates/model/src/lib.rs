@@ -18,6 +18,7 @@ pub mod mlp;
 pub mod moe;
 pub mod rms_norm;
 pub mod rope;
+pub mod sampling;
 pub mod tokenizer;
 pub mod weights;
 

@@ -1,7 +1,11 @@
-//! `eyrie`: the command-line entry point (inspect and dequantize checkpoints; serving arrives with issue 6).
+//! `eyrie`: the command-line entry point (inspect and dequantize checkpoints, generate and score with a model;
+//! serving arrives with issue 6).
 
 mod dequant;
+mod generate;
 mod inspect;
+mod run_model;
+mod score;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -43,6 +47,10 @@ enum Command {
         #[arg(long, default_value = "cpu")]
         device: DeviceChoice,
     },
+    /// Generate tokens from a prompt (text or token ids), streamed to stdout.
+    Generate(generate::GenerateArgs),
+    /// Write the logits and every hidden state of one forward over token ids to a .safetensors file.
+    Score(score::ScoreArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +58,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Inspect { dir, json } => inspect::run(&dir, json),
         Command::Dequant { dir, tensor, out, device } => dequant::run(&dir, &tensor, &out, device),
+        Command::Generate(args) => generate::run(args),
+        Command::Score(args) => score::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
