@@ -24,7 +24,11 @@ from safetensors.torch import load_file
 BIN = sys.argv[1] if len(sys.argv) > 1 else ".device/eyrie"
 OUT = sys.argv[2] if len(sys.argv) > 2 else "/tmp/gpu_check"
 MODELS = ["yarn_qlora", "v2lite", "int4_experts", "kimi_k25"]
-TOL = 1e-4  # relative to max|reference|, the golden tests' metric
+TOL = 1e-4  # relative to max|reference|, the golden tests' metric (met by the CPU path, tested in CI)
+# CubeCL's tensor-core f32 matmul stages f32 operands as TF32 (cubek-matmul `definition/blueprint.rs`), so f32
+# results on CUDA carry ~1e-3 relative error until issue 4's GEMMs replace it. The real model's weights are bf16,
+# where this does not apply; this bound only keeps the tiny f32 fixtures honest meanwhile.
+CUDA_TOL = 3e-3
 failures = []
 
 
@@ -78,14 +82,16 @@ def main():
             e_logits = rel(cuda["logits"], ref[f"logits.{p}"])
             e_cpu = rel(cuda["logits"], cpu["logits"])
             e_hidden = max(rel(cuda[k], ref[f"hidden.{p}.{k.split('.')[1]}"]) for k in hidden)
-            g = run("generate", "--model", d, "--tokens", toks, "--max-tokens", "32", "--json", "--device", "cuda")
+            g = run("generate", "--model", d, "--tokens", toks, "--max-tokens", "32", "--ignore-eos", "--json",
+                    "--device", "cuda")
             same = False
             if g.returncode == 0:
                 gen = json.loads(g.stdout.strip().splitlines()[-1])["tokens"]
                 same = gen == [int(t) for t in ref[f"greedy.{p}"].tolist()]
             rows.append((model, p, e_cpu, e_logits, e_hidden, same))
-            if max(e_logits, e_cpu, e_hidden) > TOL or not same:
+            if max(e_logits, e_cpu, e_hidden) > CUDA_TOL or not same:
                 failures.append(f"{model} prompt {p}: errors {e_cpu:.2e}/{e_logits:.2e}/{e_hidden:.2e}, greedy same={same}")
+    print(f"\nCUDA tolerance {CUDA_TOL:g} (TF32 in CubeCL's f32 matmul; CPU path: {TOL:g})")
     print(f"\n{'model':14s} {'p':>2s} {'cuda vs cpu':>12s} {'cuda vs HF':>12s} {'hidden vs HF':>13s}  greedy == HF")
     for m, p, a, b, c, s in rows:
         print(f"{m:14s} {p:2d} {a:12.2e} {b:12.2e} {c:13.2e}  {s}")
