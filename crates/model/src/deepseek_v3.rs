@@ -4,8 +4,9 @@
 //! SwiGLU MLP in layers `< first_k_dense_replace` and an MoE block after. No embedding or logit scaling.
 //!
 //! Compute is f32 on any burn backend. [`DeepseekV3::forward`] runs whole sequences from position 0 in MLA's full
-//! form; [`DeepseekV3::forward_cached`] runs new tokens of one sequence over a paged compressed KV cache in the
-//! absorbed form ([`crate::kv_cache`]).
+//! form; [`DeepseekV3::forward_batch`] runs new tokens of several sequences (decode steps and prefill chunks mixed)
+//! over a paged compressed KV cache in the absorbed form ([`crate::kv_cache`]), and [`DeepseekV3::forward_cached`]
+//! is its batch of one.
 
 use std::path::Path;
 
@@ -15,7 +16,7 @@ use eyrie_quant::Checkpoint;
 
 use crate::config::{LATENT_NORM_EPS, LayerKind, ModelConfig};
 use crate::error::{ModelError, Result};
-use crate::kv_cache::{PagedMlaCache, SequenceCache};
+use crate::kv_cache::{PagedMlaCache, SeqSpan, SequenceCache};
 use crate::linear::Linear;
 use crate::mla::{Mla, QueryProjection};
 use crate::mlp::Mlp;
@@ -60,9 +61,8 @@ impl<B: Backend> DecoderLayer<B> {
         h + ffn.reshape([b, s, d])
     }
 
-    /// The same layer over the absorbed, cached attention: `x` `[n, d]` are new tokens of `seq` at positions
-    /// `start..start + n` -> `[n, d]`.
-    #[allow(clippy::too_many_arguments)]
+    /// The same layer over the absorbed, cached attention: `x` `[N, d]` are the new tokens of the sequences in
+    /// `spans`, flattened (see [`SeqSpan`]) -> `[N, d]`.
     pub fn forward_cached(
         &self,
         x: Tensor<B, 2>,
@@ -70,18 +70,10 @@ impl<B: Backend> DecoderLayer<B> {
         tables: &RopeTables<B>,
         cache: &mut PagedMlaCache<B>,
         layer: usize,
-        seq: &SequenceCache,
-        start: usize,
+        spans: &[SeqSpan<'_>],
     ) -> Tensor<B, 2> {
-        let attn = self.self_attn.forward_absorbed(
-            self.input_layernorm.forward(x.clone()),
-            rope,
-            tables,
-            cache,
-            layer,
-            seq,
-            start,
-        );
+        let attn =
+            self.self_attn.forward_absorbed(self.input_layernorm.forward(x.clone()), rope, tables, cache, layer, spans);
         let h = x + attn;
         let normed = self.post_attention_layernorm.forward(h.clone());
         let ffn = match &self.mlp {
@@ -90,6 +82,24 @@ impl<B: Backend> DecoderLayer<B> {
         };
         h + ffn
     }
+}
+
+/// One sequence's part of a batched step ([`DeepseekV3::forward_batch`]): its cache and its new tokens.
+#[derive(Debug)]
+pub struct BatchEntry<'a> {
+    /// The sequence; its new tokens go at positions `seq.len..`, and it grows by `tokens.len()`.
+    pub seq: &'a mut SequenceCache,
+    /// New tokens: one for a decode step, several for a prefill chunk (at least one).
+    pub tokens: &'a [u32],
+}
+
+/// Which logit rows a batched step returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Every new token's, `[total_new, vocab]`, sequence after sequence in batch order.
+    All,
+    /// Only each sequence's last new token's, `[batch, vocab]` in batch order (what sampling needs).
+    Last,
 }
 
 /// Logits plus the hidden states transformers reports with `output_hidden_states=True`.
@@ -203,7 +213,7 @@ impl<B: Backend> DeepseekV3<B> {
 
     /// Runs `tokens` (new tokens of `seq`, appended after its `seq.len` cached ones) through the absorbed MLA over
     /// `cache` and returns their logits `[n, vocab]`; `seq` grows by `n`. A prefill is the first call on an empty
-    /// `seq`, a decode step a call with one token.
+    /// `seq`, a decode step a call with one token. A batch of one [`Self::forward_batch`].
     pub fn forward_cached(
         &self,
         tokens: &[u32],
@@ -211,18 +221,73 @@ impl<B: Backend> DeepseekV3<B> {
         seq: &mut SequenceCache,
         device: &B::Device,
     ) -> Result<Tensor<B, 2>> {
-        let ids = self.token_tensor(&[tokens], device)?;
-        let (n, d, start) = (tokens.len(), self.config.hidden_size, seq.len);
-        cache.reserve(seq, n)?;
-        // [n, d]
-        let mut x = self.embed_tokens.clone().select(0, ids.reshape([n]));
-        let tables = self.rope.tables::<B>(start, n, device);
-        for (i, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_cached(x, &self.rope, &tables, cache, i, seq, start);
+        self.forward_batch(&mut [BatchEntry { seq, tokens }], cache, LogitRows::All, device)
+    }
+
+    /// One forward step of several sequences sharing `cache`, as a continuous-batching scheduler calls it: each
+    /// entry brings its own new tokens (a decode token, a prefill chunk, or a mix across entries) at its own
+    /// position (its cache length). The new tokens of all entries run as one `[total_new, d]` row set through
+    /// embedding, norms, projections, MoE and `lm_head`; attention is per sequence over its own cached tokens only,
+    /// causal within its new tokens. Each sequence's latents go to its own pages and it grows by its token count.
+    ///
+    /// Returns logits as `rows` asks. Fails, changing nothing, on an empty batch or entry, a token outside the
+    /// vocabulary, or when the cache has too few free blocks for the whole step.
+    pub fn forward_batch(
+        &self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        device: &B::Device,
+    ) -> Result<Tensor<B, 2>> {
+        if batch.is_empty() || batch.iter().any(|e| e.tokens.is_empty()) {
+            return Err(ModelError::Input { message: "a batched step needs at least one token per sequence".into() });
         }
-        seq.len += n;
+        let flat: Vec<u32> = batch.iter().flat_map(|e| e.tokens.iter().copied()).collect();
+        let ids = self.token_tensor(&[&flat], device)?;
+        cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
+        let (n, d) = (flat.len(), self.config.hidden_size);
+
+        let mut spans = Vec::with_capacity(batch.len());
+        let mut row = 0;
+        for e in batch.iter() {
+            spans.push(SeqSpan { seq: &*e.seq, row, start: e.seq.len, len: e.tokens.len() });
+            row += e.tokens.len();
+        }
+        let tables = self.batch_rope_tables(&spans, device);
+        // [N, d]
+        let mut x = self.embed_tokens.clone().select(0, ids.reshape([n]));
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward_cached(x, &self.rope, &tables, cache, i, &spans);
+        }
         debug_assert_eq!(x.dims(), [n, d]);
+        let x = match rows {
+            LogitRows::All => x,
+            // [N, d] -> [batch, d]
+            LogitRows::Last => {
+                let last: Vec<i64> = spans.iter().map(|s| (s.row + s.len - 1) as i64).collect();
+                x.select(0, Tensor::from_data(TensorData::new(last, [spans.len()]), device))
+            }
+        };
+        for e in batch.iter_mut() {
+            e.seq.len += e.tokens.len();
+        }
         Ok(self.lm_head.forward(self.norm.forward(x)))
+    }
+
+    /// RoPE tables with one row per flattened new token, at that token's own position.
+    fn batch_rope_tables(&self, spans: &[SeqSpan<'_>], device: &B::Device) -> RopeTables<B> {
+        let half = self.rope.inv_freq.len();
+        let n: usize = spans.iter().map(|s| s.len).sum();
+        let (mut cos, mut sin) = (Vec::with_capacity(n * half), Vec::with_capacity(n * half));
+        for span in spans {
+            let (c, s) = self.rope.host_tables(span.start, span.len);
+            cos.extend(c);
+            sin.extend(s);
+        }
+        RopeTables {
+            cos: Tensor::from_data(TensorData::new(cos, [n, half]), device),
+            sin: Tensor::from_data(TensorData::new(sin, [n, half]), device),
+        }
     }
 
     /// Greedy decoding of `n` tokens after `prompt` (no end-of-sequence stop), re-running the full forward at each

@@ -13,7 +13,10 @@
 //! `o_h = o_lat[h] W_UV[h]^T`; then `o_proj`. This is MQA with key width `r + rope` and value width `r`, equal to
 //! the full form up to f32 reassociation (the golden tests check both against transformers).
 //!
-//! One sequence per call (batch 1); batching across sequences is a later step.
+//! Batches: the new tokens of several sequences (each at its own position, decode and prefill chunks mixed) run
+//! as one flattened row set through every projection. In the attention, the decode steps (one new token each) of
+//! a batch run together over their caches gathered into one key-padded, masked tensor; prefill chunks (several
+//! new tokens) run one sequence at a time.
 
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
@@ -72,7 +75,14 @@ impl<B: Backend> PagedMlaCache<B> {
 
     /// Makes room for `n` more tokens of `seq`, taking blocks from the free list.
     pub fn reserve(&mut self, seq: &mut SequenceCache, n: usize) -> Result<()> {
-        let needed = (seq.len + n).div_ceil(self.block_size).saturating_sub(seq.blocks.len());
+        self.reserve_batch([(seq, n)])
+    }
+
+    /// Makes room for `n` more tokens of each `(seq, n)`, all or nothing: when the free blocks do not cover the
+    /// whole batch, nothing is taken and the error says how many were missing.
+    pub fn reserve_batch<'s>(&mut self, batch: impl IntoIterator<Item = (&'s mut SequenceCache, usize)>) -> Result<()> {
+        let batch: Vec<(&mut SequenceCache, usize)> = batch.into_iter().collect();
+        let needed: usize = batch.iter().map(|(seq, n)| self.blocks_needed(seq, *n)).sum();
         if needed > self.free.len() {
             return Err(ModelError::Input {
                 message: format!(
@@ -82,10 +92,16 @@ impl<B: Backend> PagedMlaCache<B> {
                 ),
             });
         }
-        for _ in 0..needed {
-            seq.blocks.push(self.free.pop().expect("checked above"));
+        for (seq, n) in batch {
+            for _ in 0..self.blocks_needed(seq, n) {
+                seq.blocks.push(self.free.pop().expect("checked above"));
+            }
         }
         Ok(())
+    }
+
+    fn blocks_needed(&self, seq: &SequenceCache, n: usize) -> usize {
+        (seq.len + n).div_ceil(self.block_size).saturating_sub(seq.blocks.len())
     }
 
     /// Gives `seq`'s blocks back.
@@ -121,11 +137,26 @@ impl<B: Backend> PagedMlaCache<B> {
     }
 }
 
+/// Where one sequence's new tokens sit in a flattened batch: rows `row..row + len` of the batch are its positions
+/// `start..start + len` (already reserved in `seq`, which still reports the old length `start`).
+#[derive(Debug, Clone, Copy)]
+pub struct SeqSpan<'a> {
+    /// The sequence's page table.
+    pub seq: &'a SequenceCache,
+    /// First row of the sequence in the flattened batch.
+    pub row: usize,
+    /// Position of the first new token (= tokens cached before this step).
+    pub start: usize,
+    /// New tokens of this sequence.
+    pub len: usize,
+}
+
 impl<B: Backend> Mla<B> {
-    /// Absorbed MLA for `x` `[n, d]`, new tokens at positions `start..start + n` of `seq` (already reserved),
-    /// attending causally to everything cached before them and to each other. Appends their latents to layer
-    /// `layer` of `cache` and returns `[n, d]`.
-    #[allow(clippy::too_many_arguments)]
+    /// Absorbed MLA for `x` `[N, d]`, the new tokens of several sequences flattened (see [`SeqSpan`]); `tables`
+    /// holds each row's own position (`N` rows). Every new token attends causally to its own sequence only: all
+    /// that sequence's cached tokens and the new ones before it. Appends the new latents to layer `layer` of
+    /// `cache` and returns `[N, d]`. Projections run once over all `N` rows; see the module docs for the
+    /// attention.
     pub fn forward_absorbed(
         &self,
         x: Tensor<B, 2>,
@@ -133,52 +164,144 @@ impl<B: Backend> Mla<B> {
         tables: &RopeTables<B>,
         cache: &mut PagedMlaCache<B>,
         layer: usize,
-        seq: &SequenceCache,
-        start: usize,
+        spans: &[SeqSpan<'_>],
     ) -> Tensor<B, 2> {
         let [n, d] = x.dims();
         let (h, nope, rot, vd, r) =
             (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank);
         let device = x.device();
 
-        // [n, H*(nope+rot)] -> [1, H, n, nope+rot]
+        // [N, H*(nope+rot)] -> [1, H, N, nope+rot]
         let q = self.q.forward(x.clone()).reshape([1, n, h, nope + rot]).swap_dims(1, 2);
-        // [H, n, nope]
+        // [H, N, nope]
         let q_nope = q.clone().narrow(3, 0, nope).reshape([h, n, nope]);
-        // [H, n, rot]
+        // [H, N, rot]
         let q_pe = rope.apply(q.narrow(3, nope, rot), tables).reshape([h, n, rot]);
 
-        // New latents: normalized c_kv and post-RoPE k_pe, [n, r + rot].
+        // New latents: normalized c_kv and post-RoPE k_pe, [N, r + rot].
         let kv_a = self.kv_a_proj_with_mqa.forward(x);
         let c_kv = self.kv_a_layernorm.forward(kv_a.clone().narrow(1, 0, r));
         let k_pe = rope.apply(kv_a.narrow(1, r, rot).reshape([1, 1, n, rot]), tables).reshape([n, rot]);
-        cache.write(layer, seq, start, Tensor::cat(vec![c_kv, k_pe], 1));
-
-        let total = start + n;
-        // [T, r + rot] -> c_kv [1, T, r], k_pe [1, T, rot]
-        let latents = cache.read(layer, seq, total);
-        let c_all = latents.clone().narrow(1, 0, r).reshape([1, total, r]);
-        let pe_all = latents.narrow(1, r, rot).reshape([1, total, rot]);
+        let latents = Tensor::cat(vec![c_kv, k_pe], 1);
+        for span in spans {
+            cache.write(layer, span.seq, span.start, latents.clone().narrow(0, span.row, span.len));
+        }
 
         // kv_b_proj.weight [H*(nope+vd), r] -> [H, nope+vd, r]
         let w_kv_b = self.kv_b_proj.weight_t.clone().transpose().reshape([h, nope + vd, r]);
         let w_uk = w_kv_b.clone().narrow(1, 0, nope); // [H, nope, r]
         let w_uv = w_kv_b.narrow(1, nope, vd); // [H, vd, r]
 
-        // [H, n, r]
+        // [H, N, r]
         let q_lat = q_nope.matmul(w_uk);
+        // [H, N, r]: decode steps (one new token) of two or more sequences together, each other span alone; the
+        // parts come back in group order and are put back in row order.
+        let decodes: Vec<&SeqSpan<'_>> = spans.iter().filter(|span| span.len == 1).collect();
+        let batch_decodes = decodes.len() > 1;
+        let mut order: Vec<usize> = Vec::with_capacity(n);
+        let mut parts: Vec<Tensor<B, 3>> = Vec::with_capacity(spans.len());
+        if batch_decodes {
+            let rows: Vec<i64> = decodes.iter().map(|span| span.row as i64).collect();
+            let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [decodes.len()]), &device);
+            parts.push(self.attend_decodes(
+                q_lat.clone().select(1, rows.clone()),
+                q_pe.clone().select(1, rows),
+                cache,
+                layer,
+                &decodes,
+                &device,
+            ));
+            order.extend(decodes.iter().map(|span| span.row));
+        }
+        for span in spans.iter().filter(|span| !batch_decodes || span.len > 1) {
+            let q_lat = q_lat.clone().narrow(1, span.row, span.len);
+            let q_pe = q_pe.clone().narrow(1, span.row, span.len);
+            parts.push(self.attend_cached(q_lat, q_pe, cache, layer, span, &device));
+            order.extend(span.row..span.row + span.len);
+        }
+        let o_lat = Tensor::cat(parts, 1);
+        let o_lat = if order.iter().enumerate().all(|(i, &row)| i == row) {
+            o_lat
+        } else {
+            // order[i] = the row held at index i; gather index `back[row]` = where that row is.
+            let mut back = vec![0i64; n];
+            for (i, &row) in order.iter().enumerate() {
+                back[row] = i as i64;
+            }
+            o_lat.select(1, Tensor::<B, 1, Int>::from_data(TensorData::new(back, [n]), &device))
+        };
+        // [H, N, r] -> [H, N, vd] -> [N, H*vd]
+        let o = o_lat.matmul(w_uv.swap_dims(1, 2)).swap_dims(0, 1).reshape([n, h * vd]);
+        self.o_proj.forward(o).reshape([n, d])
+    }
+
+    /// Decode steps of several sequences (one new token each) as one key-padded batched attention: `q_lat`
+    /// `[H, S, r]` and `q_pe` `[H, S, rot]`, one query per span, over each sequence's cached latents (gathered into
+    /// `[S, T_max, r + rot]`, positions past a sequence's length masked) -> `o_lat` `[H, S, r]`.
+    fn attend_decodes(
+        &self,
+        q_lat: Tensor<B, 3>,
+        q_pe: Tensor<B, 3>,
+        cache: &PagedMlaCache<B>,
+        layer: usize,
+        spans: &[&SeqSpan<'_>],
+        device: &B::Device,
+    ) -> Tensor<B, 3> {
+        let (h, rot, r) = (self.num_heads, self.qk_rope_head_dim, self.kv_lora_rank);
+        let s = spans.len();
+        let t_max = spans.iter().map(|span| span.start + 1).max().unwrap_or(0);
+        // Padding reads slot 0 (any valid row); its scores are masked.
+        let slots: Vec<i64> = spans
+            .iter()
+            .flat_map(|span| (0..t_max).map(move |p| if p <= span.start { cache.slot(span.seq, p) as i64 } else { 0 }))
+            .collect();
+        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(slots, [s * t_max]), device);
+        // [S*T, r + rot] -> c_kv [S, T, r], k_pe [S, T, rot]
+        let latents = cache.pools[layer].clone().select(0, idx).reshape([s, t_max, r + rot]);
+        let c_all = latents.clone().narrow(2, 0, r);
+        let pe_all = latents.narrow(2, r, rot);
+        // [H, S, *] -> [S, H, *]; scores [S, H, T]
+        let scores = (q_lat.swap_dims(0, 1).matmul(c_all.clone().swap_dims(1, 2))
+            + q_pe.swap_dims(0, 1).matmul(pe_all.swap_dims(1, 2)))
+        .mul_scalar(self.softmax_scale);
+        // The query of span i (position start_i) sees keys t <= start_i.
+        let mask: Vec<bool> = spans.iter().flat_map(|span| (0..t_max).map(move |t| t > span.start)).collect();
+        let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [s, t_max]), device)
+            .unsqueeze_dim::<3>(1)
+            .expand([s, h, t_max]);
+        let probs = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 2);
+        // [S, H, r] -> [H, S, r]
+        probs.matmul(c_all).swap_dims(0, 1)
+    }
+
+    /// One sequence's absorbed attention: `q_lat` `[H, n, r]` and `q_pe` `[H, n, rot]` of its `n` new tokens over
+    /// its cached latents (the new ones included) -> `o_lat` `[H, n, r]`.
+    fn attend_cached(
+        &self,
+        q_lat: Tensor<B, 3>,
+        q_pe: Tensor<B, 3>,
+        cache: &PagedMlaCache<B>,
+        layer: usize,
+        span: &SeqSpan<'_>,
+        device: &B::Device,
+    ) -> Tensor<B, 3> {
+        let (h, rot, r) = (self.num_heads, self.qk_rope_head_dim, self.kv_lora_rank);
+        let (n, start) = (span.len, span.start);
+        let total = start + n;
+        // [T, r + rot] -> c_kv [1, T, r], k_pe [1, T, rot]
+        let latents = cache.read(layer, span.seq, total);
+        let c_all = latents.clone().narrow(1, 0, r).reshape([1, total, r]);
+        let pe_all = latents.narrow(1, r, rot).reshape([1, total, rot]);
         // [H, n, T]
         let scores = (q_lat.matmul(c_all.clone().swap_dims(1, 2)) + q_pe.matmul(pe_all.swap_dims(1, 2)))
             .mul_scalar(self.softmax_scale);
         // Query i (position start + i) sees keys t <= start + i.
         let mask: Vec<bool> = (0..n).flat_map(|i| (0..total).map(move |t| t > start + i)).collect();
-        let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [n, total]), &device)
+        let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [n, total]), device)
             .unsqueeze::<3>()
             .expand([h, n, total]);
         let probs = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 2);
-        // [H, n, r] -> [H, n, vd] -> [n, H*vd]
-        let o_lat = probs.matmul(c_all);
-        let o = o_lat.matmul(w_uv.swap_dims(1, 2)).swap_dims(0, 1).reshape([n, h * vd]);
-        self.o_proj.forward(o).reshape([n, d])
+        // [H, n, r]
+        probs.matmul(c_all)
     }
 }

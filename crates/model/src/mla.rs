@@ -8,7 +8,7 @@
 //! - RoPE on `q_pe` and `k_pe` only; scores `scale * [q_nope | q_pe] . [k_nope | k_pe]`, causal, softmax in f32;
 //!   `o_proj(concat_h sum_t p v)`.
 //!
-//! The absorbed decode form over a compressed KV cache is a later addition (it must equal this one).
+//! The absorbed form over the paged compressed KV cache lives in [`crate::kv_cache`] (it must equal this one).
 
 use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
