@@ -13,10 +13,11 @@
 //! - every row equals the full-form forward of the whole sequence within 1e-4;
 //! - released blocks return to the pool; a step the free blocks cannot cover is an error that changes nothing.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{argmax, fixture, host, ids, scaled_error};
 
 use burn::backend::Flex;
-use burn::tensor::Tensor;
 use eyrie_model::DeepseekV3;
 use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
@@ -28,29 +29,6 @@ const SAME_PATH_TOLERANCE: f32 = 1e-5;
 const FULL_FORM_TOLERANCE: f32 = 1e-4;
 const BLOCK_SIZE: usize = 4;
 const NUM_BLOCKS: usize = 40;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/model").join(name)
-}
-
-fn scaled_error(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    diff / want.iter().map(|b| b.abs()).fold(0.0f32, f32::max).max(f32::MIN_POSITIVE)
-}
-
-fn host<const D: usize>(t: Tensor<Flex, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) }).0
-        as u32
-}
-
-fn ids(reference: &SafetensorsFile, name: &str) -> Vec<u32> {
-    reference.tensor(name).unwrap().to_i64_vec().unwrap().iter().map(|&t| t as u32).collect()
-}
 
 /// One sequence of the scenario.
 struct Plan {

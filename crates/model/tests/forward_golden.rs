@@ -9,10 +9,11 @@
 //! - greedy generation of 32 tokens must equal transformers' `generate(do_sample=False)` token for token (the
 //!   fixture script guarantees every greedy step and router decision has a margin of at least 5e-4).
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{fixture, host, scaled_error};
 
 use burn::backend::Flex;
-use burn::tensor::Tensor;
 use eyrie_model::error::ModelError;
 use eyrie_model::quant::{Checkpoint, SafetensorsFile, SafetensorsWriter};
 use eyrie_model::{DeepseekV3, ModelConfig};
@@ -20,22 +21,7 @@ use eyrie_model::{DeepseekV3, ModelConfig};
 const TOLERANCE: f32 = 1e-4;
 const FIXTURES: [&str; 4] = ["yarn_qlora", "v2lite", "int4_experts", "kimi_k25"];
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/model").join(name)
-}
-
 /// `max |a - b| / max |b|`.
-fn scaled_error(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    let scale = want.iter().map(|b| b.abs()).fold(0.0f32, f32::max).max(f32::MIN_POSITIVE);
-    diff / scale
-}
-
-fn host<const D: usize>(t: Tensor<Flex, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
-}
-
 fn check_fixture(name: &str) {
     let device = Default::default();
     let dir = fixture(name);

@@ -9,34 +9,17 @@
 //! - the greedy tokens equal transformers' `generate(do_sample=False)`;
 //! - released blocks return to the pool.
 
+mod common;
+
+use common::{argmax, host, ids, scaled_error};
 use std::path::Path;
 
 use burn::backend::Flex;
-use burn::tensor::Tensor;
 use eyrie_model::DeepseekV3;
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
 use eyrie_model::quant::SafetensorsFile;
 
 const TOLERANCE: f32 = 1e-4;
-
-fn scaled_error(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len());
-    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    diff / want.iter().map(|b| b.abs()).fold(0.0f32, f32::max).max(f32::MIN_POSITIVE)
-}
-
-fn host<const D: usize>(t: Tensor<Flex, D>) -> Vec<f32> {
-    t.into_data().convert::<f32>().to_vec::<f32>().unwrap()
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    v.iter().enumerate().fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &x)| if x > bv { (i, x) } else { (bi, bv) }).0
-        as u32
-}
-
-fn ids(reference: &SafetensorsFile, name: &str) -> Vec<u32> {
-    reference.tensor(name).unwrap().to_i64_vec().unwrap().iter().map(|&t| t as u32).collect()
-}
 
 fn check_fixture(name: &str) {
     let device = Default::default();
