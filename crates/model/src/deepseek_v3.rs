@@ -231,7 +231,8 @@ impl<B: Backend> DeepseekV3<B> {
     /// causal within its new tokens. Each sequence's latents go to its own pages and it grows by its token count.
     ///
     /// Returns logits as `rows` asks. Fails, changing nothing, on an empty batch or entry, a token outside the
-    /// vocabulary, or when the cache has too few free blocks for the whole step.
+    /// vocabulary, or when the cache has too few free blocks for the whole step. [`Self::forward_batch_capture`]
+    /// with nothing to capture.
     pub fn forward_batch(
         &self,
         batch: &mut [BatchEntry<'_>],
@@ -239,8 +240,44 @@ impl<B: Backend> DeepseekV3<B> {
         rows: LogitRows,
         device: &B::Device,
     ) -> Result<Tensor<B, 2>> {
+        Ok(self.forward_batch_capture(batch, cache, rows, &[], device)?.0)
+    }
+
+    /// [`Self::forward_batch`] that also returns hidden states of every new token at the layers in `capture` (the
+    /// target-model features EAGLE-3 drafts from), the same step with the same numerics.
+    ///
+    /// Capture id `i < num_hidden_layers` is the residual stream at the **input of layer i = HF
+    /// `hidden_states[i]`** (`output_hidden_states=True`; id 0 = the token embeddings). Equivalently it is the
+    /// **output of layer i-1**: SGLang numbers explicitly configured EAGLE-3 aux layers
+    /// (`eagle_aux_hidden_state_layer_ids`) by the layer whose output they take and adds 1 internally, so its id `l`
+    /// is id `l + 1` here; its default list `[2, L/2, L-3]` (Kimi-K2, L = 61: `[2, 30, 58]`) is already in
+    /// input-of-layer numbering and means the same ids here. Id `num_hidden_layers` is HF's last `hidden_states`
+    /// entry: the final normed state (the `model.norm` output that `lm_head` reads), not the un-normed output of the
+    /// last layer.
+    ///
+    /// Returns the logits as `rows` asks and one `[total_new, hidden_size]` tensor per entry of `capture`, in
+    /// `capture`'s order (ids may repeat), rows sequence after sequence in batch order as [`LogitRows::All`]
+    /// (every new token, whatever `rows` is). Fails, changing nothing, where [`Self::forward_batch`] does and on a
+    /// capture id above `num_hidden_layers`.
+    pub fn forward_batch_capture(
+        &self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        capture: &[usize],
+        device: &B::Device,
+    ) -> Result<(Tensor<B, 2>, Vec<Tensor<B, 2>>)> {
         if batch.is_empty() || batch.iter().any(|e| e.tokens.is_empty()) {
             return Err(ModelError::Input { message: "a batched step needs at least one token per sequence".into() });
+        }
+        let num_layers = self.layers.len();
+        if let Some(&bad) = capture.iter().find(|&&i| i > num_layers) {
+            return Err(ModelError::Input {
+                message: format!(
+                    "hidden-state capture layer {bad} is out of range: valid ids are 0..={num_layers} (0..{num_layers} \
+                     = input of that layer, {num_layers} = final normed state)"
+                ),
+            });
         }
         let flat: Vec<u32> = batch.iter().flat_map(|e| e.tokens.iter().copied()).collect();
         let ids = self.token_tensor(&[&flat], device)?;
@@ -254,24 +291,40 @@ impl<B: Backend> DeepseekV3<B> {
             row += e.tokens.len();
         }
         let tables = self.batch_rope_tables(&spans, device);
+        // captured[i] = the state at capture id i (input of layer i, or the final normed state at i = L).
+        let mut captured: Vec<Option<Tensor<B, 2>>> = vec![None; if capture.is_empty() { 0 } else { num_layers + 1 }];
         // [N, d]
         let mut x = self.embed_tokens.clone().select(0, ids.reshape([n]));
         for (i, layer) in self.layers.iter().enumerate() {
+            if capture.contains(&i) {
+                captured[i] = Some(x.clone());
+            }
             x = layer.forward_cached(x, &self.rope, &tables, cache, i, &spans);
         }
         debug_assert_eq!(x.dims(), [n, d]);
-        let x = match rows {
-            LogitRows::All => x,
+        let normed = match rows {
+            LogitRows::All => {
+                let normed = self.norm.forward(x);
+                if capture.contains(&num_layers) {
+                    captured[num_layers] = Some(normed.clone());
+                }
+                normed
+            }
             // [N, d] -> [batch, d]
             LogitRows::Last => {
+                if capture.contains(&num_layers) {
+                    // Every row's final normed state; the logits below still norm only the selected rows.
+                    captured[num_layers] = Some(self.norm.forward(x.clone()));
+                }
                 let last: Vec<i64> = spans.iter().map(|s| (s.row + s.len - 1) as i64).collect();
-                x.select(0, Tensor::from_data(TensorData::new(last, [spans.len()]), device))
+                self.norm.forward(x.select(0, Tensor::from_data(TensorData::new(last, [spans.len()]), device)))
             }
         };
         for e in batch.iter_mut() {
             e.seq.len += e.tokens.len();
         }
-        Ok(self.lm_head.forward(self.norm.forward(x)))
+        let hidden = capture.iter().map(|&i| captured[i].clone().expect("every capture id was recorded")).collect();
+        Ok((self.lm_head.forward(normed), hidden))
     }
 
     /// RoPE tables with one row per flattened new token, at that token's own position.
