@@ -22,6 +22,7 @@ use burn::tensor::activation::softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Bool, Int, Tensor, TensorData};
 
+use crate::block_pool::BlockPool;
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::mla::Mla;
@@ -42,8 +43,7 @@ pub struct PagedMlaCache<B: Backend> {
     /// Per layer `[num_blocks * block_size, kv_lora_rank + qk_rope_head_dim]`.
     pools: Vec<Tensor<B, 2>>,
     block_size: usize,
-    num_blocks: usize,
-    free: Vec<usize>,
+    blocks: BlockPool,
 }
 
 impl<B: Backend> PagedMlaCache<B> {
@@ -57,10 +57,7 @@ impl<B: Backend> PagedMlaCache<B> {
         let width = config.kv_a_dim();
         let pools =
             (0..config.num_hidden_layers).map(|_| Tensor::zeros([num_blocks * block_size, width], device)).collect();
-        // Handed out from the end: block ids of one sequence are not contiguous in memory, as in a long-running
-        // server; nothing may assume they are.
-        let free = (0..num_blocks).collect();
-        Ok(Self { pools, block_size, num_blocks, free })
+        Ok(Self { pools, block_size, blocks: BlockPool::new(num_blocks, block_size) })
     }
 
     /// Tokens per block.
@@ -68,9 +65,19 @@ impl<B: Backend> PagedMlaCache<B> {
         self.block_size
     }
 
-    /// Blocks not owned by any sequence.
+    /// Blocks a reservation can take now: not held by any sequence (free, or kept only by the prefix cache).
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.blocks.available()
+    }
+
+    /// All blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.blocks.num_blocks()
+    }
+
+    /// The block manager (reference counts, prefix cache, statistics).
+    pub fn block_pool(&self) -> &BlockPool {
+        &self.blocks
     }
 
     /// Makes room for `n` more tokens of `seq`, taking blocks from the free list.
@@ -83,19 +90,18 @@ impl<B: Backend> PagedMlaCache<B> {
     pub fn reserve_batch<'s>(&mut self, batch: impl IntoIterator<Item = (&'s mut SequenceCache, usize)>) -> Result<()> {
         let batch: Vec<(&mut SequenceCache, usize)> = batch.into_iter().collect();
         let needed: usize = batch.iter().map(|(seq, n)| self.blocks_needed(seq, *n)).sum();
-        if needed > self.free.len() {
+        let Some(mut taken) = self.blocks.allocate(needed) else {
             return Err(ModelError::Input {
                 message: format!(
                     "KV cache full: {needed} more block(s) needed, {} of {} free",
-                    self.free.len(),
-                    self.num_blocks
+                    self.blocks.available(),
+                    self.blocks.num_blocks()
                 ),
             });
-        }
+        };
         for (seq, n) in batch {
-            for _ in 0..self.blocks_needed(seq, n) {
-                seq.blocks.push(self.free.pop().expect("checked above"));
-            }
+            let k = self.blocks_needed(seq, n);
+            seq.blocks.extend(taken.drain(..k));
         }
         Ok(())
     }
@@ -104,9 +110,49 @@ impl<B: Backend> PagedMlaCache<B> {
         (seq.len + n).div_ceil(self.block_size).saturating_sub(seq.blocks.len())
     }
 
-    /// Gives `seq`'s blocks back.
+    /// Gives `seq`'s blocks back (blocks registered in the prefix cache stay cached until evicted).
     pub fn release(&mut self, seq: SequenceCache) {
-        self.free.extend(seq.blocks.into_iter().rev());
+        for b in seq.blocks.into_iter().rev() {
+            self.blocks.release(b);
+        }
+    }
+
+    /// Drops the positions `len..` of `seq` (speculative-decoding rollback): blocks wholly past the new end go back
+    /// to the pool. Fails, changing nothing, when `len` is beyond the sequence or the cut falls inside a block shared
+    /// through the prefix cache (whose contents must not change).
+    pub fn truncate(&mut self, seq: &mut SequenceCache, len: usize) -> Result<()> {
+        if len > seq.len {
+            return Err(ModelError::Input {
+                message: format!("cannot truncate a sequence of {} tokens to {len}", seq.len),
+            });
+        }
+        let keep = len.div_ceil(self.block_size);
+        if len % self.block_size != 0 && self.blocks.is_shared(seq.blocks[keep - 1]) {
+            return Err(ModelError::Input {
+                message: format!("cannot truncate to {len}: position {len} lies in a block shared by the prefix cache"),
+            });
+        }
+        for b in seq.blocks.drain(keep..).rev() {
+            self.blocks.release(b);
+        }
+        seq.len = len;
+        Ok(())
+    }
+
+    /// Starts a sequence for `prompt` on the longest cached prefix of it (whole blocks, leaving at least the last
+    /// prompt token to compute so that the step that finishes the prompt yields its logits). The returned sequence
+    /// holds the shared blocks and reports their tokens as cached; feed it `prompt[seq.len..]`.
+    pub fn start_with_prefix(&mut self, prompt: &[u32]) -> SequenceCache {
+        let blocks = self.blocks.match_prefix(prompt, prompt.len().saturating_sub(1));
+        let len = blocks.len() * self.block_size;
+        SequenceCache { blocks, len }
+    }
+
+    /// Offers the full blocks of `seq` to later prompts; `tokens` are the sequence's tokens (at least its first
+    /// `seq.len`; only those positions count).
+    pub fn register_prefix(&mut self, seq: &SequenceCache, tokens: &[u32]) {
+        let n = seq.len.min(tokens.len());
+        self.blocks.register(&seq.blocks, &tokens[..n]);
     }
 
     fn slot(&self, seq: &SequenceCache, pos: usize) -> usize {

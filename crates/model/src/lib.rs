@@ -6,6 +6,7 @@
 //! the paged compressed MLA KV cache and absorbed decode in [`kv_cache`].
 //! Also the run-time device choice ([`device`]).
 
+pub mod block_pool;
 pub mod chat;
 pub mod config;
 pub mod deepseek_v3;

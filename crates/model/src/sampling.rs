@@ -1,10 +1,19 @@
-//! Host-side token sampling over one logits row: greedy (argmax), temperature scaling, top-p (nucleus) filtering
-//! (Holtzman et al., arXiv:1904.09751), drawn from a seeded xoshiro256** generator so that a run is reproducible.
+//! Host-side token sampling over one logits row: greedy (argmax), OpenAI presence/frequency penalties, temperature,
+//! top-k, top-p (nucleus; Holtzman et al., arXiv:1904.09751) and min-p filtering, drawn from a seeded xoshiro256**
+//! generator so that a run is reproducible.
 //!
-//! Greedy when the temperature is absent or 0 (ties go to the lowest token id, as [`crate::DeepseekV3`]'s
-//! `generate_greedy`). Otherwise `p = softmax(logits / T)` in f64; with `top_p < 1` only the smallest set of
-//! most-probable tokens whose mass reaches `top_p` is kept (ties in probability broken by the lower id) and the draw
-//! is renormalized over it.
+//! One processing pipeline, [`SamplingParams::probabilities`], defines the distribution a token is drawn from; the
+//! sampler draws from exactly that vector, and speculative verification (eyrie-spec-decode) computes its target and
+//! draft distributions through the same function, so that rejection sampling preserves it. Steps, in order:
+//! 1. penalties on the logits of tokens already generated (`history`): `l -= count * frequency + presence` (as
+//!    OpenAI and vLLM, over the output tokens only);
+//! 2. greedy when the temperature is absent or 0: a one-hot at the argmax (ties go to the lowest id, as
+//!    [`crate::DeepseekV3`]'s `generate_greedy`);
+//! 3. `p = softmax(l / T)` in f64;
+//! 4. top-k: keep the `k` most probable (ties in probability broken by the lower id);
+//! 5. top-p: of those, the smallest most-probable prefix whose mass (renormalized over the kept set) reaches `top_p`;
+//! 6. min-p: of those, the tokens with `p >= min_p * max p`;
+//! 7. renormalize over the kept set.
 
 use crate::error::{ModelError, Result};
 
@@ -15,6 +24,14 @@ pub struct SamplingParams {
     pub temperature: Option<f32>,
     /// Nucleus mass in `(0, 1]`; `None` keeps every token.
     pub top_p: Option<f32>,
+    /// Keep only the `k` most probable tokens; `None` or `0` keeps every token.
+    pub top_k: Option<usize>,
+    /// Keep only tokens with `p >= min_p * max p`, in `[0, 1]`; `None` or `0` keeps every token.
+    pub min_p: Option<f32>,
+    /// Subtracted once from the logit of every token already generated, in `[-2, 2]` (OpenAI's range).
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logit of every token already generated, in `[-2, 2]`.
+    pub frequency_penalty: f32,
     /// Seed of the random generator (ignored when greedy).
     pub seed: u64,
 }
@@ -25,7 +42,13 @@ impl SamplingParams {
         self.temperature.is_none_or(|t| t == 0.0)
     }
 
-    /// Checks the ranges: temperature finite and `>= 0`, top-p in `(0, 1]`.
+    /// Whether the history of generated tokens changes the distribution.
+    pub fn has_penalties(&self) -> bool {
+        self.presence_penalty != 0.0 || self.frequency_penalty != 0.0
+    }
+
+    /// Checks the ranges: temperature finite and `>= 0`, top-p in `(0, 1]`, min-p in `[0, 1]`, penalties in
+    /// `[-2, 2]`. The error names the parameter.
     pub fn validate(&self) -> Result<()> {
         if let Some(t) = self.temperature
             && !(t.is_finite() && t >= 0.0)
@@ -35,9 +58,104 @@ impl SamplingParams {
         if let Some(p) = self.top_p
             && !(p > 0.0 && p <= 1.0)
         {
-            return Err(ModelError::Input { message: format!("top-p {p} must be in (0, 1]") });
+            return Err(ModelError::Input { message: format!("top_p {p} must be in (0, 1]") });
+        }
+        if let Some(p) = self.min_p
+            && !(0.0..=1.0).contains(&p)
+        {
+            return Err(ModelError::Input { message: format!("min_p {p} must be in [0, 1]") });
+        }
+        for (name, v) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(ModelError::Input { message: format!("{name} {v} must be in [-2, 2]") });
+            }
         }
         Ok(())
+    }
+
+    /// Applies the presence and frequency penalties for the tokens in `history` to `logits` in place (ids outside
+    /// the row are ignored).
+    pub fn apply_penalties(&self, logits: &mut [f32], history: &[u32]) {
+        if !self.has_penalties() || history.is_empty() {
+            return;
+        }
+        let mut counts = std::collections::HashMap::<u32, u32>::new();
+        for &t in history {
+            *counts.entry(t).or_default() += 1;
+        }
+        for (t, c) in counts {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l -= c as f32 * self.frequency_penalty + self.presence_penalty;
+            }
+        }
+    }
+
+    /// The distribution the next token is drawn from, over the whole row (zeros outside the kept set; sums to 1),
+    /// after every step of the module's pipeline; `history` is the tokens generated so far (for the penalties).
+    /// Greedy parameters give a one-hot vector at the (penalized) argmax.
+    pub fn probabilities(&self, logits: &[f32], history: &[u32]) -> Vec<f64> {
+        let penalized;
+        let logits = if self.has_penalties() && !history.is_empty() {
+            let mut l = logits.to_vec();
+            self.apply_penalties(&mut l, history);
+            penalized = l;
+            &penalized[..]
+        } else {
+            logits
+        };
+        let mut out = vec![0.0; logits.len()];
+        let temperature = match self.temperature {
+            Some(t) if t > 0.0 => t,
+            _ => {
+                if let Some(p) = out.get_mut(argmax(logits) as usize) {
+                    *p = 1.0;
+                }
+                return out;
+            }
+        };
+        let probs = softmax(logits, temperature);
+        let keep = self.kept(&probs);
+        let total: f64 = keep.iter().map(|&i| probs[i]).sum();
+        if total > 0.0 {
+            for &i in &keep {
+                out[i] = probs[i] / total;
+            }
+        } else if let Some(p) = out.get_mut(argmax(logits) as usize) {
+            *p = 1.0;
+        }
+        out
+    }
+
+    /// Indices kept by top-k, top-p and min-p, most probable first; at least one when any probability is > 0.
+    fn kept(&self, probs: &[f64]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..probs.len()).filter(|&i| probs[i] > 0.0).collect();
+        let by_prob = |a: &usize, b: &usize| probs[*b].total_cmp(&probs[*a]).then(a.cmp(b));
+        if let Some(k) = self.top_k.filter(|&k| k > 0 && k < order.len()) {
+            order.select_nth_unstable_by(k - 1, by_prob);
+            order.truncate(k);
+        }
+        order.sort_by(by_prob);
+        if let Some(top_p) = self.top_p.filter(|&p| p < 1.0) {
+            let total: f64 = order.iter().map(|&i| probs[i]).sum();
+            let target = f64::from(top_p) * total;
+            let mut mass = 0.0;
+            let mut n = 0;
+            for &i in &order {
+                mass += probs[i];
+                n += 1;
+                if mass >= target {
+                    break;
+                }
+            }
+            order.truncate(n.max(1));
+        }
+        if let Some(min_p) = self.min_p.filter(|&p| p > 0.0)
+            && let Some(&top) = order.first()
+        {
+            let floor = f64::from(min_p) * probs[top];
+            order.retain(|&i| probs[i] >= floor);
+        }
+        order
     }
 }
 
@@ -60,24 +178,45 @@ impl Sampler {
         &self.params
     }
 
-    /// Picks a token id from one logits row `[vocab]` (non-empty). NaN logits are never picked unless all are NaN.
+    /// Picks a token id from one logits row `[vocab]` (non-empty) with no generation history. NaN logits are never
+    /// picked unless all are NaN.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        let temperature = match self.params.temperature {
-            Some(t) if t > 0.0 => t,
-            _ => return argmax(logits),
-        };
-        let probs = softmax(logits, temperature);
-        let keep = nucleus(&probs, self.params.top_p.unwrap_or(1.0));
-        let total: f64 = keep.iter().map(|&i| probs[i]).sum();
-        let mut u = self.rng.next_f64() * total;
-        for &i in &keep {
-            u -= probs[i];
-            if u < 0.0 {
-                return i as u32;
+        self.sample_after(logits, &[])
+    }
+
+    /// Picks a token id from one logits row, the penalties counting the generated tokens `history`.
+    pub fn sample_after(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        if self.params.is_greedy() && !self.params.has_penalties() {
+            return argmax(logits);
+        }
+        let probs = self.params.probabilities(logits, history);
+        self.draw(&probs)
+    }
+
+    /// Draws an index from `probs` (non-negative, summing to about 1) with one uniform number; greedy (one-hot)
+    /// vectors cost no randomness. Rounding slivers go to the last index with non-zero probability.
+    pub fn draw(&mut self, probs: &[f64]) -> u32 {
+        let mut last = 0;
+        let nonzero = probs.iter().filter(|&&p| p > 0.0).count();
+        if nonzero == 1 {
+            return probs.iter().position(|&p| p > 0.0).unwrap_or(0) as u32;
+        }
+        let mut u = self.rng.next_f64();
+        for (i, &p) in probs.iter().enumerate() {
+            if p > 0.0 {
+                last = i;
+                u -= p;
+                if u < 0.0 {
+                    return i as u32;
+                }
             }
         }
-        // Rounding left a sliver of mass: the last kept token takes it.
-        keep.last().map_or_else(|| argmax(logits), |&i| i as u32)
+        last as u32
+    }
+
+    /// One uniform number in `[0, 1)` from the sampler's generator (the acceptance test of speculative sampling).
+    pub fn uniform(&mut self) -> f64 {
+        self.rng.next_f64()
     }
 }
 
@@ -88,6 +227,28 @@ pub fn argmax(logits: &[f32]) -> u32 {
         .enumerate()
         .fold((0usize, f32::NEG_INFINITY), |(bi, bv), (i, &v)| if v > bv { (i, v) } else { (bi, bv) })
         .0 as u32
+}
+
+/// `log_softmax(logits)` in f64 precision, returned as f32 (NaN logits get `-inf`): the log-probabilities the
+/// OpenAI API reports (of the model's raw distribution, before penalties and filtering, as vLLM's default).
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().filter(|v| !v.is_nan()).fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v)));
+    let sum: f64 = logits.iter().filter(|v| !v.is_nan()).map(|&v| (f64::from(v) - max).exp()).sum();
+    let lse = max + sum.ln();
+    logits.iter().map(|&v| if v.is_nan() { f32::NEG_INFINITY } else { (f64::from(v) - lse) as f32 }).collect()
+}
+
+/// The `n` largest entries of `values` as `(index, value)`, largest first (ties by the lower index).
+pub fn top_n(values: &[f32], n: usize) -> Vec<(u32, f32)> {
+    let mut order: Vec<usize> = (0..values.len()).filter(|&i| !values[i].is_nan()).collect();
+    let cmp = |a: &usize, b: &usize| values[*b].total_cmp(&values[*a]).then(a.cmp(b));
+    if n > 0 && n < order.len() {
+        order.select_nth_unstable_by(n - 1, cmp);
+        order.truncate(n);
+    }
+    order.sort_by(cmp);
+    order.truncate(n);
+    order.into_iter().map(|i| (i as u32, values[i])).collect()
 }
 
 /// `softmax(logits / temperature)` in f64 (NaN logits get probability 0).
@@ -170,7 +331,7 @@ mod tests {
     use super::*;
 
     fn sampler(temperature: Option<f32>, top_p: Option<f32>, seed: u64) -> Sampler {
-        Sampler::new(SamplingParams { temperature, top_p, seed }).unwrap()
+        Sampler::new(SamplingParams { temperature, top_p, seed, ..Default::default() }).unwrap()
     }
 
     #[test]
@@ -245,7 +406,76 @@ mod tests {
     #[test]
     fn bad_parameters_are_errors() {
         for (t, p) in [(Some(-1.0), None), (Some(f32::NAN), None), (None, Some(0.0)), (None, Some(1.5))] {
-            assert!(Sampler::new(SamplingParams { temperature: t, top_p: p, seed: 0 }).is_err(), "{t:?} {p:?}");
+            assert!(
+                Sampler::new(SamplingParams { temperature: t, top_p: p, ..Default::default() }).is_err(),
+                "{t:?} {p:?}"
+            );
         }
+    }
+    #[test]
+    fn bad_filters_and_penalties_name_the_parameter() {
+        let cases: [(SamplingParams, &str); 3] = [
+            (SamplingParams { min_p: Some(1.5), ..Default::default() }, "min_p"),
+            (SamplingParams { presence_penalty: 2.5, ..Default::default() }, "presence_penalty"),
+            (SamplingParams { frequency_penalty: -3.0, ..Default::default() }, "frequency_penalty"),
+        ];
+        for (params, name) in cases {
+            let err = Sampler::new(params).unwrap_err().to_string();
+            assert!(err.contains(name), "{err}");
+        }
+    }
+
+    #[test]
+    fn top_k_min_p_and_top_p_compose() {
+        // probs 0.4, 0.3, 0.2, 0.1 at T = 1.
+        let logits: Vec<f32> = [0.4f64, 0.3, 0.2, 0.1].iter().map(|p| p.ln() as f32).collect();
+        let probs = |params: SamplingParams| params.probabilities(&logits, &[]);
+        let base = SamplingParams { temperature: Some(1.0), ..Default::default() };
+        let close = |a: &[f64], b: &[f64]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-6);
+        assert!(close(&probs(base), &[0.4, 0.3, 0.2, 0.1]));
+        assert!(close(&probs(SamplingParams { top_k: Some(2), ..base }), &[4.0 / 7.0, 3.0 / 7.0, 0.0, 0.0]));
+        assert!(close(&probs(SamplingParams { top_k: Some(0), ..base }), &[0.4, 0.3, 0.2, 0.1]));
+        // min-p 0.45: keep p >= 0.18.
+        assert!(close(&probs(SamplingParams { min_p: Some(0.45), ..base }), &[4.0 / 9.0, 3.0 / 9.0, 2.0 / 9.0, 0.0]));
+        // top-p after top-k renormalizes: top-3 masses 4/9, 3/9, 2/9; 0.7 of that needs the first two.
+        assert!(close(
+            &probs(SamplingParams { top_k: Some(3), top_p: Some(0.7), ..base }),
+            &[4.0 / 7.0, 3.0 / 7.0, 0.0, 0.0]
+        ));
+        // Greedy is one-hot.
+        assert!(close(&probs(SamplingParams::default()), &[1.0, 0.0, 0.0, 0.0]));
+    }
+
+    #[test]
+    fn penalties_follow_openai() {
+        let params = SamplingParams { presence_penalty: 0.5, frequency_penalty: 0.25, ..Default::default() };
+        let mut logits = vec![1.0f32, 1.0, 1.0, 1.0];
+        params.apply_penalties(&mut logits, &[2, 2, 0, 99]);
+        assert_eq!(logits, vec![1.0 - 0.75, 1.0, 1.0 - 1.0, 1.0]);
+        // Greedy with penalties moves off a repeated token.
+        let mut s = Sampler::new(params).unwrap();
+        assert_eq!(s.sample_after(&[2.0, 1.9, 0.0], &[0]), 1);
+        assert_eq!(s.sample_after(&[2.0, 1.9, 0.0], &[]), 0);
+    }
+
+    #[test]
+    fn draw_follows_the_distribution_and_log_softmax_normalizes() {
+        let probs = [0.0, 0.5, 0.0, 0.25, 0.25];
+        let mut s = sampler(Some(1.0), None, 9);
+        let n = 40_000;
+        let mut counts = [0usize; 5];
+        for _ in 0..n {
+            counts[s.draw(&probs) as usize] += 1;
+        }
+        assert_eq!(counts[0] + counts[2], 0);
+        let chi2: f64 =
+            [1, 3, 4].iter().map(|&i| (counts[i] as f64 - probs[i] * n as f64).powi(2) / (probs[i] * n as f64)).sum();
+        // 2 degrees of freedom: P(chi2 > 13.8) = 0.001.
+        assert!(chi2 < 13.8, "{chi2} {counts:?}");
+        let lp = log_softmax(&[1.0, 2.0, f32::NAN, 0.5]);
+        let total: f64 = lp.iter().map(|&l| f64::from(l).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6 && lp[2] == f32::NEG_INFINITY);
+        assert_eq!(top_n(&[0.1, 0.7, 0.7, f32::NAN, 0.2], 3), vec![(1, 0.7), (2, 0.7), (4, 0.2)]);
+        assert_eq!(top_n(&[0.1], 5), vec![(0, 0.1)]);
     }
 }

@@ -63,7 +63,12 @@ pub struct GenerateArgs {
 pub fn run(args: GenerateArgs) -> Result<()> {
     let dir = args.model.as_path();
     let config = load_config(dir)?;
-    let sampler = Sampler::new(SamplingParams { temperature: args.temperature, top_p: args.top_p, seed: args.seed })?;
+    let sampler = Sampler::new(SamplingParams {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+        ..Default::default()
+    })?;
     let tokenizer = match Tokenizer::from_dir(dir) {
         Ok(t) => Some(t),
         Err(TokenizerError::NoTokenizer { .. }) => None,
