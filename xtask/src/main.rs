@@ -5,6 +5,7 @@
 
 mod bench;
 mod tidy;
+mod tiny_model;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -22,6 +23,7 @@ commands:
   gpu-bundle              release binary + GPU check inputs in .device/ for the device machine
                           (then there: python3 scripts/gpu_check.py)
   bench load              safetensors index/map and CPU dequantization throughput (bench/load.json)
+  tiny-model [--check]    regenerate crates/server/assets/tiny-model (eyrie serve's default model), or check it
 ";
 
 fn main() -> Result<()> {
@@ -35,6 +37,7 @@ fn main() -> Result<()> {
         Some("fixtures") => fixtures(&args[1..]),
         Some("bench") => bench::run(&root, &args[1..]),
         Some("gpu-bundle") => gpu_bundle(&root),
+        Some("tiny-model") => tiny_model::run(&root, &args[1..]),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");
             Ok(())
