@@ -1,0 +1,253 @@
+//! Speculative decoding over a batch of sequences: chain drafting, one target forward that verifies every
+//! sequence's chain, acceptance per sequence ([`crate::verify`]), rollback of the target and drafter caches.
+//!
+//! One [`SpecDecoder::step`] for sequences whose last token `x` the target has not run yet:
+//! 1. per sequence, `num_steps` drafts `d_1..d_k`, each drawn from `q_j = probabilities(drafter logits, history)`;
+//! 2. one `forward_batch_capture` of the target over `[x, d_1..d_k]` of every sequence ([`LogitRows::All`],
+//!    the drafter's capture ids): row `j` gives `p_{j+1} = probabilities(target logits, history)`, the same
+//!    processing as `q` (penalties counting the drafts before it);
+//! 3. [`verify_chain`] per sequence: `a` accepted drafts plus one resampled or bonus token `y`;
+//! 4. the target cache is cut back to the `1 + a` kept positions (`PagedMlaCache::truncate`), and the drafter is
+//!    extended with `[x, d_1..d_a]`, `y` and their captured states (its draft-only rows dropped).
+//!
+//! Sequences accept different numbers of tokens; the next step again runs them all in one target forward.
+
+use std::time::Instant;
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use eyrie_model::DeepseekV3;
+use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
+use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
+use eyrie_model::sampling::{Sampler, SamplingParams};
+
+use crate::drafter::Drafter;
+use crate::error::{Result, SpecError};
+use crate::stats::AcceptanceStats;
+use crate::verify::verify_chain;
+
+/// One sequence under speculative decoding.
+#[derive(Debug)]
+pub struct SpecSequence<S> {
+    /// Its target KV cache (page table).
+    pub cache: SequenceCache,
+    /// The drafter's state for it.
+    pub draft: S,
+    /// Prompt then generated tokens; after [`SpecDecoder::prefill`] the last one has not been run by the target.
+    pub tokens: Vec<u32>,
+    /// Prompt length (tokens after it are the history penalties count).
+    pub prompt_len: usize,
+    /// Sampling parameters and random state.
+    pub sampler: Sampler,
+}
+
+impl<S> SpecSequence<S> {
+    /// The generated tokens so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens[self.prompt_len..]
+    }
+
+    fn params(&self) -> SamplingParams {
+        *self.sampler.params()
+    }
+}
+
+/// Chain speculative decoding with a [`Drafter`].
+#[derive(Debug)]
+pub struct SpecDecoder<D> {
+    /// The drafter.
+    pub drafter: D,
+    /// Draft tokens per step (`--speculative-num-steps`); 0 decodes one token per step without drafting.
+    pub num_steps: usize,
+    /// Statistics since creation (or the last [`SpecDecoder::take_stats`]).
+    pub stats: AcceptanceStats,
+}
+
+/// The target forward of one batched step: logits `[N, vocab]` on the host and the captured states.
+struct TargetRows<B: Backend> {
+    logits: Vec<f32>,
+    vocab: usize,
+    captured: Vec<Tensor<B, 2>>,
+}
+
+impl<D> SpecDecoder<D> {
+    /// A decoder drafting `num_steps` tokens per step.
+    pub fn new(drafter: D, num_steps: usize) -> Self {
+        Self { drafter, num_steps, stats: AcceptanceStats::default() }
+    }
+
+    /// Returns the statistics and resets them.
+    pub fn take_stats(&mut self) -> AcceptanceStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    /// A new sequence for `prompt` (non-empty) sampled with `params` (validated).
+    pub fn new_sequence<B: Backend>(&mut self, prompt: &[u32], params: SamplingParams) -> Result<SpecSequence<D::State>>
+    where
+        D: Drafter<B>,
+    {
+        if prompt.is_empty() {
+            return Err(SpecError::input("a prompt needs at least one token"));
+        }
+        Ok(SpecSequence {
+            cache: SequenceCache::default(),
+            draft: self.drafter.new_state(),
+            tokens: prompt.to_vec(),
+            prompt_len: prompt.len(),
+            sampler: Sampler::new(params)?,
+        })
+    }
+
+    /// Gives a finished sequence's target blocks and drafter state back.
+    pub fn release<B: Backend>(&mut self, cache: &mut PagedMlaCache<B>, seq: SpecSequence<D::State>)
+    where
+        D: Drafter<B>,
+    {
+        cache.release(seq.cache);
+        self.drafter.release(seq.draft);
+    }
+
+    /// Runs the prompts of new sequences (empty caches) through the target in one batched forward, samples each
+    /// one's first token (appended to its `tokens` and returned) and primes the drafter.
+    pub fn prefill<B: Backend>(
+        &mut self,
+        target: &DeepseekV3<B>,
+        cache: &mut PagedMlaCache<B>,
+        seqs: &mut [&mut SpecSequence<D::State>],
+        device: &B::Device,
+    ) -> Result<Vec<u32>>
+    where
+        D: Drafter<B>,
+    {
+        if seqs.iter().any(|s| s.cache.len != 0 || s.tokens.len() != s.prompt_len) {
+            return Err(SpecError::input("prefill takes new sequences (empty cache, no generated tokens)"));
+        }
+        let prompts: Vec<Vec<u32>> = seqs.iter().map(|s| s.tokens.clone()).collect();
+        let rows = self.target_forward(target, cache, seqs, &prompts, LogitRows::Last, device)?;
+        let mut first = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            let n = prompts[i].len();
+            let probs = seq.params().probabilities(rows.row(i), &[]);
+            let token = seq.sampler.draw(&probs);
+            seq.tokens.push(token);
+            let t = Instant::now();
+            let features: Vec<Tensor<B, 2>> = rows.captured.iter().map(|c| c.clone().narrow(0, row, n)).collect();
+            self.drafter.extend(&mut seq.draft, &prompts[i], token, &features)?;
+            self.stats.draft_time += t.elapsed();
+            row += n;
+            first.push(token);
+        }
+        Ok(first)
+    }
+
+    /// One speculative step for every sequence (each already prefilled): drafts, verifies all chains in one target
+    /// forward, and returns each sequence's new tokens (1 to `num_steps + 1`, also appended to its `tokens`).
+    pub fn step<B: Backend>(
+        &mut self,
+        target: &DeepseekV3<B>,
+        cache: &mut PagedMlaCache<B>,
+        seqs: &mut [&mut SpecSequence<D::State>],
+        device: &B::Device,
+    ) -> Result<Vec<Vec<u32>>>
+    where
+        D: Drafter<B>,
+    {
+        if seqs.iter().any(|s| s.tokens.len() <= s.prompt_len || s.cache.len + 1 != s.tokens.len()) {
+            return Err(SpecError::input(
+                "step takes prefilled sequences (every token but the last run by the target)",
+            ));
+        }
+        // 1. Drafting.
+        let t = Instant::now();
+        let mut chains: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
+        let mut qs: Vec<Vec<Vec<f64>>> = Vec::with_capacity(seqs.len());
+        for seq in seqs.iter_mut() {
+            let params = seq.params();
+            let mut history = seq.generated().to_vec();
+            let mut chain = vec![*seq.tokens.last().expect("checked non-empty")];
+            let mut q = Vec::with_capacity(self.num_steps);
+            for j in 0..self.num_steps {
+                if j > 0 {
+                    self.drafter.push(&mut seq.draft, chain[j])?;
+                }
+                let probs = params.probabilities(&self.drafter.logits(&seq.draft)?, &history);
+                let d = seq.sampler.draw(&probs);
+                chain.push(d);
+                history.push(d);
+                q.push(probs);
+            }
+            chains.push(chain);
+            qs.push(q);
+        }
+        self.stats.draft_time += t.elapsed();
+
+        // 2. One target forward over every chain.
+        let t = Instant::now();
+        let starts: Vec<usize> = seqs.iter().map(|s| s.cache.len).collect();
+        let rows = self.target_forward(target, cache, seqs, &chains, LogitRows::All, device)?;
+
+        // 3-4. Acceptance, rollback, drafter update.
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        let mut draft_time = std::time::Duration::ZERO;
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            let chain = &chains[i];
+            let k = chain.len() - 1;
+            let params = seq.params();
+            let mut history = seq.generated().to_vec();
+            let mut p = Vec::with_capacity(k + 1);
+            for j in 0..=k {
+                p.push(params.probabilities(rows.row(row + j), &history));
+                if j < k {
+                    history.push(chain[j + 1]);
+                }
+            }
+            let verdict = verify_chain(&chain[1..], &qs[i], &p, &mut seq.sampler);
+            let kept = 1 + verdict.accepted;
+            cache.truncate(&mut seq.cache, starts[i] + kept)?;
+            let next = *verdict.tokens.last().expect("a verdict emits at least one token");
+            let t = Instant::now();
+            let features: Vec<Tensor<B, 2>> = rows.captured.iter().map(|c| c.clone().narrow(0, row, kept)).collect();
+            self.drafter.extend(&mut seq.draft, &chain[..kept], next, &features)?;
+            draft_time += t.elapsed();
+            self.stats.record(k, verdict.accepted);
+            seq.tokens.extend_from_slice(&verdict.tokens);
+            row += chain.len();
+            out.push(verdict.tokens);
+        }
+        self.stats.verify_time += t.elapsed() - draft_time;
+        self.stats.draft_time += draft_time;
+        Ok(out)
+    }
+
+    fn target_forward<B: Backend>(
+        &self,
+        target: &DeepseekV3<B>,
+        cache: &mut PagedMlaCache<B>,
+        seqs: &mut [&mut SpecSequence<D::State>],
+        tokens: &[Vec<u32>],
+        rows: LogitRows,
+        device: &B::Device,
+    ) -> Result<TargetRows<B>>
+    where
+        D: Drafter<B>,
+    {
+        if seqs.is_empty() {
+            return Err(SpecError::input("an empty batch"));
+        }
+        let mut batch: Vec<BatchEntry<'_>> =
+            seqs.iter_mut().zip(tokens).map(|(s, t)| BatchEntry { seq: &mut s.cache, tokens: t }).collect();
+        let (logits, captured) =
+            target.forward_batch_capture(&mut batch, cache, rows, self.drafter.capture_ids(), device)?;
+        let [_, vocab] = logits.dims();
+        let logits = crate::eagle3::row_values(logits)?;
+        Ok(TargetRows { logits, vocab, captured })
+    }
+}
+
+impl<B: Backend> TargetRows<B> {
+    fn row(&self, i: usize) -> &[f32] {
+        &self.logits[i * self.vocab..(i + 1) * self.vocab]
+    }
+}
