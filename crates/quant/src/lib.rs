@@ -13,6 +13,8 @@
 
 pub mod checkpoint;
 pub mod config;
+/// Fused INT4 MoE: kernels (feature `cuda`) and their CPU reference (always built).
+pub mod cuda;
 mod dtype;
 mod error;
 pub mod fp8;

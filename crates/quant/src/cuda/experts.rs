@@ -1,0 +1,360 @@
+//! Host side of the fused INT4 MoE: the experts of one layer ([`MoeExperts`]), their kernel layout
+//! ([`KernelLayout`], built once at load time), and the token-to-expert grouping ([`Routing`]).
+
+use half::bf16;
+use rayon::prelude::*;
+
+use crate::{Dtype, PackedInt4, QuantError, Result};
+
+/// Sizes of one MoE layer: `hidden` (model width), `inter` (`moe_intermediate_size`), expert count, group size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Model width (`hidden_size`, 7168 for Kimi-K2).
+    pub hidden: usize,
+    /// Expert width (`moe_intermediate_size`, 2048 for Kimi-K2).
+    pub inter: usize,
+    /// Routed experts in the layer (384 for Kimi-K2).
+    pub experts: usize,
+    /// INT4 group size (32 for Kimi-K2; 64 and 128 also supported).
+    pub group: usize,
+}
+
+impl MoeShape {
+    /// Checks what the kernels need: widths multiples of 32 (one 16-byte load is 32 values) and of the group,
+    /// group a multiple of 32.
+    pub fn validate(&self) -> Result<()> {
+        let ok = self.experts > 0
+            && self.hidden > 0
+            && self.inter > 0
+            && self.group > 0
+            && self.group.is_multiple_of(32)
+            && self.hidden.is_multiple_of(self.group)
+            && self.inter.is_multiple_of(self.group);
+        if ok {
+            Ok(())
+        } else {
+            Err(QuantError::invalid(
+                "moe_shape",
+                format!("{self:?}: need group a multiple of 32 dividing hidden and inter, no zero size"),
+            ))
+        }
+    }
+
+    /// Bytes of one expert's packed weights and BF16 scales (gate, up and down).
+    pub fn expert_bytes(&self) -> usize {
+        let params = 3 * self.hidden * self.inter;
+        params / 2 + params / self.group * 2
+    }
+}
+
+/// The routed experts of one MoE layer as the checkpoint stores them: per expert `gate_proj`, `up_proj`
+/// (`[inter, hidden]`) and `down_proj` (`[hidden, inter]`), symmetric INT4 with BF16 group scales.
+#[derive(Debug, Clone)]
+pub struct MoeExperts {
+    shape: MoeShape,
+    gate: Vec<PackedInt4>,
+    up: Vec<PackedInt4>,
+    down: Vec<PackedInt4>,
+}
+
+impl MoeExperts {
+    /// Validates the three weights of every expert against `shape` (symmetric, BF16 scales, same group size).
+    pub fn new(shape: MoeShape, gate: Vec<PackedInt4>, up: Vec<PackedInt4>, down: Vec<PackedInt4>) -> Result<Self> {
+        shape.validate()?;
+        if gate.len() != shape.experts || up.len() != shape.experts || down.len() != shape.experts {
+            return Err(QuantError::invalid(
+                "experts",
+                format!("{} gate, {} up, {} down for {} experts", gate.len(), up.len(), down.len(), shape.experts),
+            ));
+        }
+        let check = |what: &str, w: &PackedInt4, out: usize, inp: usize| -> Result<()> {
+            if w.out_features() != out || w.in_features() != inp {
+                return Err(QuantError::invalid(
+                    what,
+                    format!("is [{}, {}], expected [{out}, {inp}]", w.out_features(), w.in_features()),
+                ));
+            }
+            if w.group_size() != shape.group || w.scale_dtype() != Dtype::BF16 || !w.is_symmetric() {
+                return Err(QuantError::invalid(
+                    what,
+                    format!(
+                        "group {} scales {} symmetric {}: the fused kernel takes group {}, BF16 scales, symmetric",
+                        w.group_size(),
+                        w.scale_dtype(),
+                        w.is_symmetric(),
+                        shape.group
+                    ),
+                ));
+            }
+            Ok(())
+        };
+        for e in 0..shape.experts {
+            check("gate_proj", &gate[e], shape.inter, shape.hidden)?;
+            check("up_proj", &up[e], shape.inter, shape.hidden)?;
+            check("down_proj", &down[e], shape.hidden, shape.inter)?;
+        }
+        Ok(Self { shape, gate, up, down })
+    }
+
+    /// Random experts (never-zero scales in `[2^-8, 2^-6.4)`, uniformly random nibbles), deterministic in `seed`;
+    /// generated in parallel, one stream per expert and matrix.
+    pub fn random(shape: MoeShape, seed: u64) -> Result<Self> {
+        shape.validate()?;
+        let make = |e: usize, m: usize, out: usize, inp: usize| -> Result<PackedInt4> {
+            let mut rng = SplitMix64::new(seed ^ ((e as u64) << 8 | m as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let words = out * inp / 8;
+            let mut packed = Vec::with_capacity(words);
+            for _ in 0..words / 2 {
+                let r = rng.next_u64();
+                packed.push(r as u32);
+                packed.push((r >> 32) as u32);
+            }
+            if words % 2 == 1 {
+                packed.push(rng.next_u64() as u32);
+            }
+            let scales = (0..out * inp / shape.group)
+                .map(|_| {
+                    // Scale in [1/256, 1/84): outputs of a 7168-wide dot product with |x| <= 1 stay O(1).
+                    let s = (1.0 + 2.0 * rng.next_f32()) / 256.0;
+                    bf16::from_f32(s).to_f32()
+                })
+                .collect();
+            PackedInt4::new(out, inp, shape.group, packed, scales, Dtype::BF16, None)
+        };
+        let all: Vec<[PackedInt4; 3]> = (0..shape.experts)
+            .into_par_iter()
+            .map(|e| {
+                Ok([
+                    make(e, 0, shape.inter, shape.hidden)?,
+                    make(e, 1, shape.inter, shape.hidden)?,
+                    make(e, 2, shape.hidden, shape.inter)?,
+                ])
+            })
+            .collect::<Result<_>>()?;
+        let (mut gate, mut up, mut down) = (Vec::new(), Vec::new(), Vec::new());
+        for [g, u, d] in all {
+            gate.push(g);
+            up.push(u);
+            down.push(d);
+        }
+        Self::new(shape, gate, up, down)
+    }
+
+    /// The layer's sizes.
+    pub fn shape(&self) -> MoeShape {
+        self.shape
+    }
+
+    /// `gate_proj` of expert `e` (`[inter, hidden]`).
+    pub fn gate(&self, e: usize) -> &PackedInt4 {
+        &self.gate[e]
+    }
+
+    /// `up_proj` of expert `e` (`[inter, hidden]`).
+    pub fn up(&self, e: usize) -> &PackedInt4 {
+        &self.up[e]
+    }
+
+    /// `down_proj` of expert `e` (`[hidden, inter]`).
+    pub fn down(&self, e: usize) -> &PackedInt4 {
+        &self.down[e]
+    }
+
+    /// The kernel layout, built once at load time (see [`KernelLayout`]).
+    pub fn kernel_layout(&self) -> KernelLayout {
+        let s = self.shape;
+        let w13_expert = 2 * s.inter * s.hidden / 8;
+        let s13_expert = 2 * s.inter * s.hidden / s.group;
+        let w2_expert = s.hidden * s.inter / 8;
+        let s2_expert = s.hidden * s.inter / s.group;
+        let mut w13 = vec![0u32; s.experts * w13_expert];
+        let mut s13 = vec![bf16::ZERO; s.experts * s13_expert];
+        let mut w2 = vec![0u32; s.experts * w2_expert];
+        let mut s2 = vec![bf16::ZERO; s.experts * s2_expert];
+        let to_bf16 = |dst: &mut [bf16], src: &[f32]| {
+            // Exact: the scales are BF16 values (checked by `PackedInt4::new`).
+            dst.iter_mut().zip(src).for_each(|(d, s)| *d = bf16::from_f32(*s));
+        };
+        w13.par_chunks_mut(w13_expert)
+            .zip(s13.par_chunks_mut(s13_expert))
+            .zip(w2.par_chunks_mut(w2_expert).zip(s2.par_chunks_mut(s2_expert)))
+            .enumerate()
+            .for_each(|(e, ((w13, s13), (w2, s2)))| {
+                let (wg, wu) = w13.split_at_mut(w13_expert / 2);
+                wg.copy_from_slice(self.gate[e].packed());
+                wu.copy_from_slice(self.up[e].packed());
+                let (sg, su) = s13.split_at_mut(s13_expert / 2);
+                to_bf16(sg, self.gate[e].scales());
+                to_bf16(su, self.up[e].scales());
+                w2.copy_from_slice(self.down[e].packed());
+                to_bf16(s2, self.down[e].scales());
+            });
+        KernelLayout { shape: s, w13, s13, w2, s2 }
+    }
+}
+
+/// The experts as the kernels read them, built once at load time from the checkpoint tensors.
+///
+/// The only repacking is concatenation: per expert, `gate_proj` rows then `up_proj` rows (`w13`, `[E, 2*inter,
+/// hidden/8]`), and `down_proj` (`w2`, `[E, hidden, inter/8]`), each row keeping the compressed-tensors word order
+/// (8 nibbles per word, LSB first, offset-binary `q + 8`). A row is then contiguous, so one 16-byte load reads 32
+/// consecutive columns (one group of 32, or part of a larger group) and a warp's loads are fully coalesced.
+/// Scales stay BF16 (`s13`: `[E, 2*inter, hidden/group]`, `s2`: `[E, hidden, inter/group]`).
+#[derive(Debug, Clone)]
+pub struct KernelLayout {
+    /// Sizes.
+    pub shape: MoeShape,
+    /// `[E, 2*inter, hidden/8]` packed words, gate rows then up rows.
+    pub w13: Vec<u32>,
+    /// `[E, 2*inter, hidden/group]` BF16 scales.
+    pub s13: Vec<bf16>,
+    /// `[E, hidden, inter/8]` packed words.
+    pub w2: Vec<u32>,
+    /// `[E, hidden, inter/group]` BF16 scales.
+    pub s2: Vec<bf16>,
+}
+
+/// Token-expert pairs grouped by expert: the kernels run one block row per active expert, over the tokens routed
+/// to it, so each expert's weights are streamed once per layer whatever the number of tokens routed to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Routing {
+    /// Tokens.
+    pub m: usize,
+    /// Experts per token.
+    pub topk: usize,
+    /// Distinct routed experts, ascending.
+    pub experts: Vec<u32>,
+    /// `experts.len() + 1` offsets into `pairs`.
+    pub offsets: Vec<u32>,
+    /// Pair indices `t * topk + k`, grouped by expert (ascending within a group).
+    pub pairs: Vec<u32>,
+    /// Largest number of tokens routed to one expert.
+    pub max_tokens: usize,
+}
+
+impl Routing {
+    /// Groups `ids` (`[m, topk]`, expert per token and slot) by expert; an expert appearing twice for one token
+    /// is rejected (routers pick distinct experts).
+    pub fn new(ids: &[u32], m: usize, topk: usize, n_experts: usize) -> Result<Self> {
+        if ids.len() != m * topk || topk == 0 {
+            return Err(QuantError::invalid("ids", format!("has {} values, expected [{m}, {topk}]", ids.len())));
+        }
+        if let Some(bad) = ids.iter().find(|&&e| e as usize >= n_experts) {
+            return Err(QuantError::invalid("ids", format!("expert {bad} >= {n_experts} experts")));
+        }
+        for (t, row) in ids.chunks_exact(topk).enumerate() {
+            let mut sorted = row.to_vec();
+            sorted.sort_unstable();
+            if sorted.windows(2).any(|w| w[0] == w[1]) {
+                return Err(QuantError::invalid("ids", format!("token {t} selects an expert twice: {row:?}")));
+            }
+        }
+        let mut counts = vec![0u32; n_experts];
+        ids.iter().for_each(|&e| counts[e as usize] += 1);
+        let experts: Vec<u32> = (0..n_experts as u32).filter(|&e| counts[e as usize] > 0).collect();
+        let mut offsets = Vec::with_capacity(experts.len() + 1);
+        let mut start = vec![0u32; n_experts];
+        let mut acc = 0u32;
+        for &e in &experts {
+            offsets.push(acc);
+            start[e as usize] = acc;
+            acc += counts[e as usize];
+        }
+        offsets.push(acc);
+        let mut pairs = vec![0u32; ids.len()];
+        for (p, &e) in ids.iter().enumerate() {
+            pairs[start[e as usize] as usize] = p as u32;
+            start[e as usize] += 1;
+        }
+        let max_tokens = counts.iter().copied().max().unwrap_or(0) as usize;
+        Ok(Self { m, topk, experts, offsets, pairs, max_tokens })
+    }
+}
+
+/// SplitMix64 (Steele et al. 2014): small, fast, good enough for test data.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// A generator seeded with `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `[0, 1)`.
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    /// Random activations `[n]`, BF16 values never zero: magnitude in `[1/16, 1)`, random sign.
+    pub fn activations(&mut self, n: usize) -> Vec<bf16> {
+        (0..n)
+            .map(|_| {
+                let mag = 0.0625 + 0.9375 * self.next_f32();
+                let v = if self.next_u64() & 1 == 0 { mag } else { -mag };
+                bf16::from_f32(v)
+            })
+            .collect()
+    }
+
+    /// `topk` distinct experts per token among `n_experts`, and routing weights (positive, summing to 1 per
+    /// token, like a normalised top-k of sigmoid scores).
+    pub fn routing(&mut self, m: usize, topk: usize, n_experts: usize) -> (Vec<u32>, Vec<f32>) {
+        let mut ids = Vec::with_capacity(m * topk);
+        let mut weights = Vec::with_capacity(m * topk);
+        for _ in 0..m {
+            let mut row: Vec<u32> = Vec::with_capacity(topk);
+            while row.len() < topk {
+                let e = (self.next_u64() % n_experts as u64) as u32;
+                if !row.contains(&e) {
+                    row.push(e);
+                }
+            }
+            let w: Vec<f32> = (0..topk).map(|_| 0.1 + self.next_f32()).collect();
+            let sum: f32 = w.iter().sum();
+            ids.extend(row);
+            weights.extend(w.iter().map(|v| v / sum));
+        }
+        (ids, weights)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_groups_pairs_by_expert() {
+        // m = 3, topk = 2.
+        let r = Routing::new(&[4, 1, 1, 2, 4, 0], 3, 2, 5).unwrap();
+        assert_eq!(r.experts, vec![0, 1, 2, 4]);
+        assert_eq!(r.offsets, vec![0, 1, 3, 4, 6]);
+        assert_eq!(r.pairs, vec![5, 1, 2, 3, 0, 4]);
+        assert_eq!(r.max_tokens, 2);
+        assert!(Routing::new(&[1, 1], 1, 2, 5).is_err());
+        assert!(Routing::new(&[1, 7], 1, 2, 5).is_err());
+        assert!(Routing::new(&[1], 1, 2, 5).is_err());
+    }
+
+    #[test]
+    fn kernel_layout_concatenates_gate_and_up() {
+        let shape = MoeShape { hidden: 64, inter: 32, experts: 2, group: 32 };
+        let ex = MoeExperts::random(shape, 7).unwrap();
+        let l = ex.kernel_layout();
+        let half = 32 * 64 / 8;
+        assert_eq!(&l.w13[2 * half..3 * half], ex.gate(1).packed());
+        assert_eq!(&l.w13[3 * half..4 * half], ex.up(1).packed());
+        assert_eq!(&l.w2[half..], ex.down(1).packed());
+        assert_eq!(l.s2[64 * 32 / 32].to_f32(), ex.down(1).scales()[0]);
+        assert!(MoeShape { hidden: 48, inter: 32, experts: 1, group: 32 }.validate().is_err());
+    }
+}

@@ -1,0 +1,21 @@
+//! Fused INT4 W4A16 mixture-of-experts for decode and verification widths (1..256 tokens), after issue 4.
+//!
+//! - [`experts`]: the experts of one layer, their kernel layout (built once at load time) and the grouping of
+//!   token-expert pairs by expert. Always built.
+//! - [`reference`]: the CPU reference of the same math (f64 accumulation, `int4.rs` dequantization). Always built,
+//!   tested in CI.
+//! - `kernels` and [`gpu`] (feature `cuda`): the CubeCL kernels and their launches.
+
+pub mod experts;
+pub mod reference;
+
+#[cfg(feature = "cuda")]
+pub mod gpu;
+#[cfg(feature = "cuda")]
+mod kernels;
+
+pub use experts::{KernelLayout, MoeExperts, MoeShape, Routing, SplitMix64};
+pub use reference::{Dequant, Mismatch, moe_reference};
+
+#[cfg(feature = "cuda")]
+pub use gpu::{GpuExperts, GpuRouting, copy_f32, moe_forward};
