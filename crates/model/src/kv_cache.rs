@@ -127,7 +127,7 @@ impl<B: Backend> PagedMlaCache<B> {
             });
         }
         let keep = len.div_ceil(self.block_size);
-        if len % self.block_size != 0 && self.blocks.is_shared(seq.blocks[keep - 1]) {
+        if !len.is_multiple_of(self.block_size) && self.blocks.is_shared(seq.blocks[keep - 1]) {
             return Err(ModelError::Input {
                 message: format!("cannot truncate to {len}: position {len} lies in a block shared by the prefix cache"),
             });

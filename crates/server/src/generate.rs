@@ -168,6 +168,11 @@ fn eos_ids(tokenizer: Option<&Tokenizer>, config_eos: &Option<serde_json::Value>
     {
         return t.eos_token_ids().to_vec();
     }
+    config_eos_ids(config_eos)
+}
+
+/// config.json's `eos_token_id` (a number or a list) as ids.
+pub fn config_eos_ids(config_eos: &Option<serde_json::Value>) -> Vec<u32> {
     match config_eos {
         Some(serde_json::Value::Number(n)) => n.as_u64().map(|v| v as u32).into_iter().collect(),
         Some(serde_json::Value::Array(items)) => items.iter().filter_map(|v| v.as_u64()).map(|v| v as u32).collect(),

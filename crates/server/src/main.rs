@@ -1,11 +1,12 @@
-//! `eyrie`: the command-line entry point (inspect and dequantize checkpoints, generate and score with a model;
-//! serving arrives with issue 6).
+//! `eyrie`: the command-line entry point: serve a model over the OpenAI API, inspect and dequantize checkpoints,
+//! generate and score with a model.
 
 mod dequant;
 mod generate;
 mod inspect;
 mod run_model;
 mod score;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -23,6 +24,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Serve a model over an OpenAI-compatible HTTP API (the embedded tiny model when no --model-path is given).
+    Serve(serve::ServeArgs),
     /// Print a checkpoint's architecture, layers, shards and tensor bytes by dtype and by quantization.
     Inspect {
         /// Checkpoint directory (with model.safetensors.index.json or *.safetensors) or one .safetensors file.
@@ -60,6 +63,7 @@ fn main() -> ExitCode {
         Command::Dequant { dir, tensor, out, device } => dequant::run(&dir, &tensor, &out, device),
         Command::Generate(args) => generate::run(args),
         Command::Score(args) => score::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

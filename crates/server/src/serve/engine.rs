@@ -1,0 +1,503 @@
+//! The engine: one OS thread that owns the model and the paged KV cache and runs iteration-level continuous
+//! batching (Orca, OSDI '22; vLLM's scheduler): every step it admits queued requests while KV blocks allow, builds
+//! one batch of decode rows (one token per running sequence) plus prefill chunks (`--chunked-prefill-size` tokens
+//! per step at most), runs one [`DeepseekV3::forward_batch`], samples every sequence whose input is complete, and
+//! streams each token to its request's channel.
+//!
+//! Invariants:
+//! - every admitted sequence's KV blocks are released exactly once: at finish, on cancellation (checked before
+//!   each step: a client that disconnects frees its pages within one step), on preemption, or when its step fails;
+//! - prompts start on the longest cached prefix of an earlier prompt (block granularity) and register their full
+//!   blocks when they finish, so shared system prompts are computed once;
+//! - when a step needs more blocks than are free, the most recently admitted sequence is preempted: its pages are
+//!   freed and it re-enters the queue front with its generated tokens, to be recomputed (nothing already streamed
+//!   changes: sampling resumes with the same generator state);
+//! - a panic inside a step fails only that step's requests (their pages are freed); the engine keeps serving.
+
+use std::collections::VecDeque;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::time::{Duration, Instant};
+
+use burn::tensor::backend::Backend;
+use eyrie_model::DeepseekV3;
+use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
+use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
+use eyrie_model::sampling::{Sampler, SamplingParams, log_softmax, top_n};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::metrics::{EngineGauges, Metrics};
+use crate::run_model::to_host;
+
+/// Scheduler limits.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Most sequences admitted at once.
+    pub max_running: usize,
+    /// KV-cache capacity in tokens (rounded up to whole blocks).
+    pub max_total_tokens: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Most prompt tokens computed in one step (decode rows come first).
+    pub chunked_prefill: usize,
+    /// Longest prompt + completion of one sequence.
+    pub context_length: usize,
+}
+
+/// What one request asks of the engine.
+#[derive(Debug, Clone)]
+pub struct EngineParams {
+    pub sampling: SamplingParams,
+    /// Completion tokens at most (already capped by the context length).
+    pub max_tokens: usize,
+    pub stop_token_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    /// `Some(k)`: each token's log-probability plus the `k` best alternatives.
+    pub logprobs: Option<usize>,
+}
+
+/// A token's log-probability under the model's raw distribution, and the best alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+    /// The client went away or the server is shutting down.
+    Cancelled,
+}
+
+/// What the engine sends back for a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    Token {
+        id: u32,
+        logprobs: Option<TokenLogprobs>,
+    },
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        cached_tokens: usize,
+    },
+    /// The step failed (an internal error; logged by the engine).
+    Failed(String),
+}
+
+/// A request handed to the engine.
+#[derive(Debug)]
+pub struct Submission {
+    pub prompt: Vec<u32>,
+    pub params: EngineParams,
+    pub events: UnboundedSender<Event>,
+    /// Set by the HTTP side when the client disconnects or a stop string ended the text.
+    pub cancel: Arc<AtomicBool>,
+}
+
+pub enum Message {
+    Submit(Box<Submission>),
+    /// Stop admitting; finish running and queued requests until `deadline`, then cancel the rest and exit.
+    Shutdown {
+        deadline: Instant,
+    },
+}
+
+/// One admitted or queued sequence.
+struct Seq {
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    cache: Option<SequenceCache>,
+    sampler: Sampler,
+    params: EngineParams,
+    events: UnboundedSender<Event>,
+    cancel: Arc<AtomicBool>,
+    arrived: Instant,
+    last_token: Option<Instant>,
+    cached_tokens: usize,
+}
+
+impl Seq {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    fn computed(&self) -> usize {
+        self.cache.as_ref().map_or(0, |c| c.len)
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed) || self.events.is_closed()
+    }
+}
+
+/// The state the engine thread owns.
+pub struct Engine<B: Backend> {
+    model: DeepseekV3<B>,
+    cache: PagedMlaCache<B>,
+    device: B::Device,
+    config: EngineConfig,
+    eos: Vec<u32>,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+    metrics: Arc<Metrics>,
+}
+
+impl<B: Backend> Engine<B> {
+    /// An engine over a loaded model, with a KV cache of `config.max_total_tokens`.
+    pub fn new(
+        model: DeepseekV3<B>,
+        device: B::Device,
+        config: EngineConfig,
+        eos: Vec<u32>,
+        metrics: Arc<Metrics>,
+    ) -> anyhow::Result<Self> {
+        let blocks = config.max_total_tokens.div_ceil(config.block_size).max(1);
+        let cache = PagedMlaCache::<B>::new(&model.config, blocks, config.block_size, &device)?;
+        Ok(Self { model, cache, device, config, eos, waiting: VecDeque::new(), running: Vec::new(), metrics })
+    }
+
+    /// One forward over a 1-token dummy sequence, so the first request does not pay for lazy initialisation
+    /// (kernel compilation, allocator growth); nothing stays cached.
+    pub fn warm_up(&mut self) -> anyhow::Result<()> {
+        let mut seq = SequenceCache::default();
+        let mut batch = [BatchEntry { seq: &mut seq, tokens: &[0] }];
+        let logits = self.model.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device);
+        self.cache.release(seq);
+        to_host(logits?)?;
+        Ok(())
+    }
+
+    /// Runs until a shutdown's deadline passes with everything finished, or every sender is gone.
+    pub fn run(mut self, rx: Receiver<Message>) {
+        self.publish();
+        let mut shutdown: Option<Instant> = None;
+        loop {
+            let idle = self.waiting.is_empty() && self.running.is_empty();
+            if idle && shutdown.is_some() {
+                break;
+            }
+            // Block only when there is nothing to do.
+            let first = if idle {
+                match rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok(m) => Some(m),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            } else {
+                None
+            };
+            for msg in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+                match msg {
+                    Message::Submit(s) if shutdown.is_none() => self.enqueue(*s),
+                    Message::Submit(s) => {
+                        let _ = s.events.send(Event::Failed("the server is shutting down".into()));
+                    }
+                    Message::Shutdown { deadline } => shutdown = Some(deadline),
+                }
+            }
+            if let Some(deadline) = shutdown
+                && Instant::now() >= deadline
+            {
+                for seq in self.waiting.drain(..).chain(self.running.drain(..)).collect::<Vec<_>>() {
+                    finish(&mut self.cache, &self.metrics, seq, FinishReason::Cancelled);
+                }
+            }
+            self.reap_cancelled();
+            self.admit();
+            if !self.running.is_empty() {
+                self.step();
+            }
+            self.publish();
+        }
+        self.publish();
+    }
+
+    fn enqueue(&mut self, s: Submission) {
+        let sampler = match Sampler::new(s.params.sampling) {
+            Ok(sampler) => sampler,
+            Err(e) => {
+                let _ = s.events.send(Event::Failed(e.to_string()));
+                return;
+            }
+        };
+        self.waiting.push_back(Seq {
+            prompt_len: s.prompt.len(),
+            tokens: s.prompt,
+            cache: None,
+            sampler,
+            params: s.params,
+            events: s.events,
+            cancel: s.cancel,
+            arrived: Instant::now(),
+            last_token: None,
+            cached_tokens: 0,
+        });
+    }
+
+    fn reap_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled() {
+                let seq = self.running.remove(i);
+                finish(&mut self.cache, &self.metrics, seq, FinishReason::Cancelled);
+            } else {
+                i += 1;
+            }
+        }
+        let (keep, gone): (VecDeque<Seq>, VecDeque<Seq>) = self.waiting.drain(..).partition(|s| !s.cancelled());
+        self.waiting = keep;
+        for seq in gone {
+            finish(&mut self.cache, &self.metrics, seq, FinishReason::Cancelled);
+        }
+    }
+
+    /// Admits queued sequences in arrival order while there is room for their whole remaining prompt plus one
+    /// token (so an admitted prompt never waits for blocks mid-prefill unless decode growth preempts it).
+    fn admit(&mut self) {
+        let bs = self.config.block_size;
+        while self.running.len() < self.config.max_running {
+            let Some(front) = self.waiting.front_mut() else { break };
+            let cache = self.cache.start_with_prefix(&front.tokens);
+            let need = (front.tokens.len() + 1).div_ceil(bs).saturating_sub(cache.blocks.len());
+            if need > self.cache.free_blocks() && !self.running.is_empty() {
+                self.cache.release(cache);
+                break;
+            }
+            if need > self.cache.free_blocks() {
+                // Alone and still too big: it can never run.
+                self.cache.release(cache);
+                let Some(seq) = self.waiting.pop_front() else { break };
+                let _ = seq.events.send(Event::Failed(format!(
+                    "the sequence needs {} KV-cache tokens but the cache holds {} (raise --max-total-tokens)",
+                    seq.tokens.len() + 1,
+                    self.cache.num_blocks() * bs
+                )));
+                Metrics::add(&self.metrics.requests_server_error, 1);
+                continue;
+            }
+            let Some(mut seq) = self.waiting.pop_front() else { break };
+            if seq.cache.is_none() && seq.generated() == 0 {
+                Metrics::add(&self.metrics.prompt_tokens, seq.prompt_len as u64);
+                seq.cached_tokens = cache.len;
+            }
+            Metrics::add(&self.metrics.prefix_cache_hit_tokens, cache.len as u64);
+            seq.cache = Some(cache);
+            self.running.push(seq);
+        }
+    }
+
+    /// The tokens each running sequence feeds this step: decode rows first, then prefill chunks in admission
+    /// order within the chunked-prefill budget. Preempts the newest sequences while the step's blocks are not free.
+    fn plan(&mut self) -> Vec<(usize, usize)> {
+        loop {
+            let mut plan = Vec::with_capacity(self.running.len());
+            let mut budget = self.config.chunked_prefill;
+            for (i, seq) in self.running.iter().enumerate() {
+                let left = seq.tokens.len() - seq.computed();
+                if left == 1 {
+                    plan.push((i, 1));
+                }
+            }
+            for (i, seq) in self.running.iter().enumerate() {
+                let left = seq.tokens.len() - seq.computed();
+                if left > 1 && budget > 0 {
+                    let n = left.min(budget);
+                    budget -= n;
+                    plan.push((i, n));
+                }
+            }
+            let bs = self.config.block_size;
+            let need: usize = plan
+                .iter()
+                .map(|&(i, n)| {
+                    let c = self.running[i].cache.as_ref().map_or((0, 0), |c| (c.len, c.blocks.len()));
+                    (c.0 + n).div_ceil(bs).saturating_sub(c.1)
+                })
+                .sum();
+            if need <= self.cache.free_blocks() || self.running.len() <= 1 {
+                plan.sort_unstable();
+                return plan;
+            }
+            // Preempt the most recently admitted sequence: free its pages, recompute it later.
+            if let Some(mut seq) = self.running.pop() {
+                if let Some(cache) = seq.cache.take() {
+                    self.cache.register_prefix(&cache, &seq.tokens);
+                    self.cache.release(cache);
+                }
+                Metrics::add(&self.metrics.preemptions, 1);
+                self.waiting.push_front(seq);
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let plan = self.plan();
+        if plan.is_empty() {
+            return;
+        }
+        let vocab = self.model.config.vocab_size;
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<Vec<f32>> {
+            let mut caches: Vec<SequenceCache> =
+                plan.iter().map(|&(i, _)| self.running[i].cache.take().unwrap_or_default()).collect();
+            let result = {
+                let mut batch: Vec<BatchEntry<'_>> = plan
+                    .iter()
+                    .zip(caches.iter_mut())
+                    .map(|(&(i, n), seq)| {
+                        let start = seq.len;
+                        BatchEntry { tokens: &self.running[i].tokens[start..start + n], seq }
+                    })
+                    .collect();
+                self.model.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device)
+            };
+            for (&(i, _), c) in plan.iter().zip(caches) {
+                self.running[i].cache = Some(c);
+            }
+            to_host(result?)
+        }));
+        Metrics::add(&self.metrics.steps, 1);
+        let logits = match outcome {
+            Ok(Ok(l)) if l.len() == plan.len() * vocab => l,
+            Ok(Ok(l)) => {
+                return self.fail_step(&plan, &format!("logits of {} values for {} rows", l.len(), plan.len()));
+            }
+            Ok(Err(e)) => return self.fail_step(&plan, &format!("{e:#}")),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".into());
+                return self.fail_step(&plan, &format!("panic: {what}"));
+            }
+        };
+        let now = Instant::now();
+        let mut finished = Vec::new();
+        for (row, &(i, _)) in plan.iter().enumerate() {
+            let seq = &mut self.running[i];
+            if seq.computed() < seq.tokens.len() {
+                continue; // mid-prefill
+            }
+            if seq.generated() == 0 {
+                // The prompt is in the cache: offer its full blocks to later prompts now.
+                if let Some(c) = &seq.cache {
+                    self.cache.register_prefix(c, &seq.tokens);
+                }
+            }
+            let row = &logits[row * vocab..(row + 1) * vocab];
+            let history = &seq.tokens[seq.prompt_len..];
+            let id = seq.sampler.sample_after(row, history);
+            let logprobs = seq.params.logprobs.map(|k| {
+                let lp = log_softmax(row);
+                TokenLogprobs { logprob: lp[id as usize], top: top_n(&lp, k) }
+            });
+            match seq.last_token {
+                None => self.metrics.observe_ttft(now.duration_since(seq.arrived).as_secs_f64()),
+                Some(t) => self.metrics.observe_itl(now.duration_since(t).as_secs_f64()),
+            }
+            seq.last_token = Some(now);
+            seq.tokens.push(id);
+            Metrics::add(&self.metrics.generation_tokens, 1);
+            let _ = seq.events.send(Event::Token { id, logprobs });
+            let stop = (!seq.params.ignore_eos && self.eos.contains(&id)) || seq.params.stop_token_ids.contains(&id);
+            if stop {
+                finished.push((i, FinishReason::Stop));
+            } else if seq.generated() >= seq.params.max_tokens || seq.tokens.len() >= self.config.context_length {
+                finished.push((i, FinishReason::Length));
+            }
+        }
+        for &(i, reason) in finished.iter().rev() {
+            let seq = self.running.remove(i);
+            finish(&mut self.cache, &self.metrics, seq, reason);
+        }
+    }
+
+    fn fail_step(&mut self, plan: &[(usize, usize)], why: &str) {
+        eprintln!("eyrie: a batched step of {} sequence(s) failed: {why}", plan.len());
+        for &(i, _) in plan.iter().rev() {
+            let mut seq = self.running.remove(i);
+            if let Some(cache) = seq.cache.take() {
+                self.cache.release(cache);
+            }
+            let _ = seq.events.send(Event::Failed(why.to_string()));
+            Metrics::add(&self.metrics.requests_server_error, 1);
+        }
+    }
+
+    fn publish(&self) {
+        let pool = self.cache.block_pool();
+        self.metrics.set_gauges(EngineGauges {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            kv_blocks_total: pool.num_blocks(),
+            kv_blocks_used: pool.held(),
+            kv_blocks_cached: pool.cached(),
+            block_size: pool.block_size(),
+        });
+    }
+}
+
+/// Ends a sequence: registers its committed blocks for reuse, frees its pages, tells the client.
+fn finish<B: Backend>(cache: &mut PagedMlaCache<B>, metrics: &Metrics, mut seq: Seq, reason: FinishReason) {
+    if let Some(c) = seq.cache.take() {
+        if reason != FinishReason::Cancelled {
+            cache.register_prefix(&c, &seq.tokens);
+        }
+        cache.release(c);
+    }
+    let counter = if reason == FinishReason::Cancelled { &metrics.requests_cancelled } else { &metrics.requests_ok };
+    Metrics::add(counter, 1);
+    let _ = seq.events.send(Event::Finished {
+        reason,
+        prompt_tokens: seq.prompt_len,
+        completion_tokens: seq.generated(),
+        cached_tokens: seq.cached_tokens,
+    });
+}
+
+/// Spawns the engine thread: loads with `load`, warms up, then serves `rx`. `ready` is set once the warm-up step
+/// ran; the returned handle's result is the load error, if loading failed.
+pub fn spawn<B: Backend, F>(
+    load: F,
+    rx: Receiver<Message>,
+    ready: Arc<AtomicBool>,
+    loaded: Sender<anyhow::Result<()>>,
+) -> std::thread::JoinHandle<()>
+where
+    F: FnOnce() -> anyhow::Result<Engine<B>> + Send + 'static,
+{
+    std::thread::Builder::new()
+        .name("eyrie-engine".into())
+        .spawn(move || {
+            let engine = catch_unwind(AssertUnwindSafe(|| {
+                let mut engine = load()?;
+                engine.warm_up()?;
+                anyhow::Ok(engine)
+            }));
+            let engine = match engine {
+                Ok(Ok(e)) => e,
+                Ok(Err(e)) => {
+                    let _ = loaded.send(Err(e));
+                    return;
+                }
+                Err(_) => {
+                    let _ = loaded.send(Err(anyhow::anyhow!("the engine panicked while loading the model")));
+                    return;
+                }
+            };
+            ready.store(true, Ordering::SeqCst);
+            let _ = loaded.send(Ok(()));
+            engine.run(rx);
+            ready.store(false, Ordering::SeqCst);
+        })
+        .expect("spawning the engine thread")
+}
