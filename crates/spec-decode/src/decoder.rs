@@ -20,11 +20,13 @@ use eyrie_model::DeepseekV3;
 use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
 use eyrie_model::sampling::{Sampler, SamplingParams};
+use eyrie_model::tree_verify::TreeEntry;
 
 use crate::drafter::Drafter;
 use crate::error::{Result, SpecError};
 use crate::stats::AcceptanceStats;
-use crate::verify::verify_chain;
+use crate::tree::{DraftTree, draft_tree};
+use crate::verify::{verify_chain, verify_tree};
 
 /// One sequence under speculative decoding.
 #[derive(Debug)]
@@ -57,8 +59,13 @@ impl<S> SpecSequence<S> {
 pub struct SpecDecoder<D> {
     /// The drafter.
     pub drafter: D,
-    /// Draft tokens per step (`--speculative-num-steps`); 0 decodes one token per step without drafting.
+    /// Draft tokens per step (`--speculative-num-steps`), the tree depth with `topk > 1`; 0 decodes one token per
+    /// step without drafting.
     pub num_steps: usize,
+    /// Children per expanded node (`--speculative-eagle-topk`); 1 drafts a chain.
+    pub topk: usize,
+    /// Tree nodes verified per step, the root included (`--speculative-num-draft-tokens`; used when `topk > 1`).
+    pub num_draft_tokens: usize,
     /// Statistics since creation (or the last [`SpecDecoder::take_stats`]).
     pub stats: AcceptanceStats,
 }
@@ -73,7 +80,15 @@ struct TargetRows<B: Backend> {
 impl<D> SpecDecoder<D> {
     /// A decoder drafting `num_steps` tokens per step.
     pub fn new(drafter: D, num_steps: usize) -> Self {
-        Self { drafter, num_steps, stats: AcceptanceStats::default() }
+        Self { drafter, num_steps, topk: 1, num_draft_tokens: num_steps + 1, stats: AcceptanceStats::default() }
+    }
+
+    /// Tree drafting: depth `num_steps`, `topk` children per expanded node, `num_draft_tokens` nodes (root
+    /// included) verified per step (SGLang's `--speculative-eagle-topk` / `--speculative-num-draft-tokens`).
+    pub fn with_tree(mut self, topk: usize, num_draft_tokens: usize) -> Self {
+        self.topk = topk;
+        self.num_draft_tokens = num_draft_tokens;
+        self
     }
 
     /// Returns the statistics and resets them.
@@ -158,6 +173,9 @@ impl<D> SpecDecoder<D> {
                 "step takes prefilled sequences (every token but the last run by the target)",
             ));
         }
+        if self.topk > 1 && self.num_steps > 0 {
+            return self.step_tree(target, cache, seqs, device);
+        }
         // 1. Drafting.
         let t = Instant::now();
         let mut chains: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
@@ -214,6 +232,87 @@ impl<D> SpecDecoder<D> {
             self.stats.record(k, verdict.accepted);
             seq.tokens.extend_from_slice(&verdict.tokens);
             row += chain.len();
+            out.push(verdict.tokens);
+        }
+        self.stats.verify_time += t.elapsed() - draft_time;
+        self.stats.draft_time += draft_time;
+        Ok(out)
+    }
+
+    /// [`Self::step`] with tree drafting: a token tree per sequence, one tree-masked target forward over all of
+    /// them, [`verify_tree`], and the accepted path compacted in the target cache.
+    fn step_tree<B: Backend>(
+        &mut self,
+        target: &DeepseekV3<B>,
+        cache: &mut PagedMlaCache<B>,
+        seqs: &mut [&mut SpecSequence<D::State>],
+        device: &B::Device,
+    ) -> Result<Vec<Vec<u32>>>
+    where
+        D: Drafter<B>,
+    {
+        let t = Instant::now();
+        let mut trees: Vec<DraftTree> = Vec::with_capacity(seqs.len());
+        for seq in seqs.iter_mut() {
+            let root = *seq.tokens.last().expect("checked non-empty");
+            trees.push(draft_tree(
+                &mut self.drafter,
+                &mut seq.draft,
+                root,
+                self.num_steps,
+                self.topk,
+                self.num_draft_tokens,
+            )?);
+        }
+        self.stats.draft_time += t.elapsed();
+
+        let t = Instant::now();
+        let starts: Vec<usize> = seqs.iter().map(|s| s.cache.len).collect();
+        let (logits, captured) = {
+            let mut batch: Vec<TreeEntry<'_>> = seqs
+                .iter_mut()
+                .zip(&trees)
+                .map(|(s, tree)| TreeEntry { seq: &mut s.cache, tokens: &tree.tokens, parents: &tree.parents })
+                .collect();
+            target.forward_tree_capture(&mut batch, cache, self.drafter.capture_ids(), device)?
+        };
+        let [_, vocab] = logits.dims();
+        let logits = crate::eagle3::row_values(logits)?;
+        let mut out = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        let mut draft_time = std::time::Duration::ZERO;
+        for (i, seq) in seqs.iter_mut().enumerate() {
+            let tree = &trees[i];
+            let params = seq.params();
+            let generated = seq.generated().to_vec();
+            // p of node j: the history is the generated tokens plus the path below the root down to j.
+            let mut p = Vec::with_capacity(tree.tokens.len());
+            for j in 0..tree.tokens.len() {
+                let mut path = Vec::new();
+                let mut node = j;
+                while node != 0 {
+                    path.push(tree.tokens[node]);
+                    node = tree.parents[node];
+                }
+                let history: Vec<u32> = generated.iter().copied().chain(path.into_iter().rev()).collect();
+                p.push(params.probabilities(&logits[(row + j) * vocab..(row + j + 1) * vocab], &history));
+            }
+            let verdict = verify_tree(&tree.tokens, &tree.parents, &p, &mut seq.sampler);
+            target.keep_tree_path(cache, &mut seq.cache, starts[i], tree.tokens.len(), &verdict.path)?;
+            let processed: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens[n]).collect();
+            let next = *verdict.tokens.last().expect("a verdict emits at least one token");
+            let t = Instant::now();
+            let rows: Vec<i64> = verdict.path.iter().map(|&n| (row + n) as i64).collect();
+            let rows = Tensor::<B, 1, burn::tensor::Int>::from_data(
+                burn::tensor::TensorData::new(rows, [verdict.path.len()]),
+                device,
+            );
+            let features: Vec<Tensor<B, 2>> = captured.iter().map(|c| c.clone().select(0, rows.clone())).collect();
+            self.drafter.extend(&mut seq.draft, &processed, next, &features)?;
+            draft_time += t.elapsed();
+            self.stats.record(tree.depth(), verdict.path.len() - 1);
+            seq.tokens.extend_from_slice(&verdict.tokens);
+            row += tree.tokens.len();
             out.push(verdict.tokens);
         }
         self.stats.verify_time += t.elapsed() - draft_time;

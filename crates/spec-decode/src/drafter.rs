@@ -46,6 +46,10 @@ pub trait Drafter<B: Backend> {
     /// Feeds a drafted token (target vocabulary); [`Drafter::logits`] then describes the position after it.
     fn push(&mut self, state: &mut Self::State, token: u32) -> Result<()>;
 
+    /// An independent copy of `state` (tree drafting expands several branches from one state); release it when
+    /// done.
+    fn fork(&mut self, state: &Self::State) -> Result<Self::State>;
+
     /// Frees what the state holds (cache blocks).
     fn release(&mut self, state: Self::State) {
         drop(state);
@@ -93,6 +97,10 @@ impl<B: Backend> Drafter<B> for Eagle3Drafter<B> {
     fn push(&mut self, state: &mut Self::State, token: u32) -> Result<()> {
         self.step(state, token)
     }
+
+    fn fork(&mut self, state: &Self::State) -> Result<Self::State> {
+        Ok(state.clone())
+    }
 }
 
 /// Drafts with the target model itself over its own paged cache: proposals equal the target's own choices.
@@ -107,6 +115,8 @@ pub struct SelfDrafter<B: Backend> {
 #[derive(Debug, Clone, Default)]
 pub struct SelfDraftState {
     seq: SequenceCache,
+    /// Every token run, committed then draft-only.
+    tokens: Vec<u32>,
     committed: usize,
     logits: Option<Vec<f32>>,
 }
@@ -149,9 +159,11 @@ impl<B: Backend> Drafter<B> for SelfDrafter<B> {
         _features: &[Tensor<B, 2>],
     ) -> Result<()> {
         self.cache.truncate(&mut state.seq, state.committed)?;
+        state.tokens.truncate(state.committed);
         let mut tokens = processed.to_vec();
         tokens.push(next);
         self.run(state, &tokens)?;
+        state.tokens.extend_from_slice(&tokens);
         // `next` has not been run by the target yet: its row is draft-only.
         state.committed += processed.len();
         Ok(())
@@ -162,7 +174,20 @@ impl<B: Backend> Drafter<B> for SelfDrafter<B> {
     }
 
     fn push(&mut self, state: &mut Self::State, token: u32) -> Result<()> {
-        self.run(state, &[token])
+        self.run(state, &[token])?;
+        state.tokens.push(token);
+        Ok(())
+    }
+
+    fn fork(&mut self, state: &Self::State) -> Result<Self::State> {
+        // Paged blocks cannot be shared between writers: the copy re-runs the tokens into blocks of its own.
+        let mut copy =
+            SelfDraftState { tokens: state.tokens.clone(), committed: state.committed, ..Default::default() };
+        if !copy.tokens.is_empty() {
+            let tokens = copy.tokens.clone();
+            self.run(&mut copy, &tokens)?;
+        }
+        Ok(copy)
     }
 
     fn release(&mut self, state: Self::State) {

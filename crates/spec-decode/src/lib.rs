@@ -5,8 +5,10 @@
 //! - [`eagle3`]: the EAGLE-3 drafter on burn ([`Eagle3Drafter`]) with its own per-sequence KV cache.
 //! - [`drafter`]: the [`Drafter`] interface, implemented by [`Eagle3Drafter`] and by [`SelfDrafter`] (the target
 //!   drafting for itself).
-//! - [`verify`]: lossless acceptance (greedy, and rejection sampling with residual resampling and a bonus token).
-//! - [`decoder`]: [`SpecDecoder`] (prefill, chain drafting, one batched target verification, rollback).
+//! - [`tree`]: tree drafting (top-k expansion by cumulative draft log-probability, best nodes kept).
+//! - [`verify`]: lossless acceptance of chains (greedy, and rejection sampling with residual resampling and a bonus
+//!   token) and of trees (multi-candidate rejection with deterministic candidates).
+//! - [`decoder`]: [`SpecDecoder`] (prefill, chain or tree drafting, one batched target verification, rollback).
 //! - [`stats`]: acceptance statistics ([`AcceptanceStats`]).
 //!
 //! ```no_run
@@ -38,6 +40,7 @@ pub mod drafter;
 pub mod eagle3;
 pub mod error;
 pub mod stats;
+pub mod tree;
 pub mod verify;
 
 pub use config::{AuxConvention, DraftFormat, Eagle3Config};
@@ -46,4 +49,5 @@ pub use drafter::{Drafter, SelfDrafter};
 pub use eagle3::{Eagle3Drafter, Eagle3State};
 pub use error::{Result, SpecError};
 pub use stats::AcceptanceStats;
-pub use verify::{ChainVerdict, verify_chain};
+pub use tree::{DraftTree, draft_tree};
+pub use verify::{ChainVerdict, TreeVerdict, verify_chain, verify_tree};

@@ -66,6 +66,55 @@ pub fn residual(p: &[f64], q: &[f64]) -> Vec<f64> {
     }
 }
 
+/// The outcome of verifying one token tree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TreeVerdict {
+    /// Accepted node indices from the root (node 0, always kept) down.
+    pub path: Vec<usize>,
+    /// The tokens to emit: the accepted nodes' tokens (the root excluded), then the resampled or bonus token.
+    pub tokens: Vec<u32>,
+}
+
+/// Verifies a token tree whose candidates were chosen deterministically (the drafter's top-k): `tokens[i]` with
+/// `parents[i] < i` (node 0 = the root, the last emitted token), `p[i]` the target's distribution of the token
+/// after node `i`'s path. At each node the children are tried in node order (SpecInfer / EAGLE's multi-candidate
+/// rule with `q = 1`): child `x` is accepted with probability `r(x)`, `r` starting as `p` of the node; a rejected
+/// `x` gets `r(x) = 0` and `r` is renormalized; when no child is accepted, a token is drawn from `r`. Emitted
+/// tokens follow the target's distribution exactly; with one-hot `p` (greedy) it accepts the argmax child and
+/// draws no randomness.
+///
+/// # Panics
+/// When `parents` or `p` do not have one entry per node (a caller bug).
+pub fn verify_tree(tokens: &[u32], parents: &[usize], p: &[Vec<f64>], sampler: &mut Sampler) -> TreeVerdict {
+    assert!(parents.len() == tokens.len() && p.len() == tokens.len() && !tokens.is_empty(), "one entry per node");
+    let mut path = vec![0];
+    let mut emitted = Vec::new();
+    let mut cur = 0;
+    'descend: loop {
+        let mut r = p[cur].clone();
+        for child in (cur + 1..tokens.len()).filter(|&c| parents[c] == cur) {
+            let x = tokens[child] as usize;
+            let rx = r.get(x).copied().unwrap_or(0.0);
+            if rx <= 0.0 {
+                continue;
+            }
+            if rx >= 1.0 || sampler.uniform() < rx {
+                path.push(child);
+                emitted.push(tokens[child]);
+                cur = child;
+                continue 'descend;
+            }
+            r[x] = 0.0;
+            let total: f64 = r.iter().sum();
+            if total > 0.0 {
+                r.iter_mut().for_each(|v| *v /= total);
+            }
+        }
+        emitted.push(sampler.draw(&r));
+        return TreeVerdict { path, tokens: emitted };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -86,6 +135,22 @@ mod tests {
         assert_eq!(v, ChainVerdict { accepted: 1, tokens: vec![1, 2] });
         let v = verify_chain(&[1, 2], &[one_hot(5, 1), one_hot(5, 2)], &p, &mut s);
         assert_eq!(v, ChainVerdict { accepted: 2, tokens: vec![1, 2, 4] });
+    }
+
+    #[test]
+    fn greedy_tree_follows_the_argmax_branch() {
+        let mut s = Sampler::new(SamplingParams::default()).unwrap();
+        // root -> {1: a=2, 2: b=3}; 2 -> {3: c=4}; target argmax: after root 3, after node 2 -> 0, after 3 -> 1.
+        let tokens = [9, 2, 3, 4];
+        let parents = [0, 0, 0, 2];
+        let p = vec![one_hot(5, 3), one_hot(5, 0), one_hot(5, 0), one_hot(5, 1)];
+        let v = verify_tree(&tokens, &parents, &p, &mut s);
+        assert_eq!(v, TreeVerdict { path: vec![0, 2], tokens: vec![3, 0] });
+        let p = vec![one_hot(5, 3), one_hot(5, 0), one_hot(5, 4), one_hot(5, 1)];
+        assert_eq!(
+            verify_tree(&tokens, &parents, &p, &mut s),
+            TreeVerdict { path: vec![0, 2, 3], tokens: vec![3, 4, 1] }
+        );
     }
 
     #[test]

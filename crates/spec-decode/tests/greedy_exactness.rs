@@ -3,6 +3,7 @@
 //! (a) the random EAGLE-3 drafter `fixtures/spec/specforge` (low acceptance: most steps reject, sequences in one
 //! batch accept different numbers of tokens), (b) the self-drafter, whose greedy acceptance must be 100%, (c) a
 //! self-drafter whose proposals are spoiled at pseudo-random positions (partial acceptance, different per sequence).
+//! The same with tree drafting (top-k expansion, a tree-masked target forward, path compaction in the cache).
 //! Plus sampled decoding (temperature, top-p, penalties) through the same machinery.
 
 mod common;
@@ -162,6 +163,10 @@ impl Drafter<Flex> for Spoiled {
         self.0.push(&mut state.0, token)
     }
 
+    fn fork(&mut self, state: &Self::State) -> Result<Self::State> {
+        Ok((self.0.fork(&state.0)?, state.1))
+    }
+
     fn release(&mut self, state: Self::State) {
         self.0.release(state.0);
     }
@@ -214,4 +219,48 @@ fn sampled_decoding_runs_with_penalties_and_the_self_drafter_accepts_nearly_ever
     // p and q come from the same model through the same processing; they differ only by f32 rounding between
     // batch shapes, so rejections are (near) impossible.
     assert!(stats.acceptance_rate() > 0.9, "{}", stats.summary());
+}
+
+#[test]
+fn tree_drafting_output_equals_plain_greedy() {
+    let device = Default::default();
+    let target = DeepseekV3::<Flex>::load(fixture("model/yarn_qlora"), &device).unwrap();
+    let convention = DraftFormat::SpecForge.default_convention();
+    let eagle = Eagle3Drafter::load(fixture("spec/specforge"), &target, convention, &device).unwrap();
+    let mut dec = SpecDecoder::new(eagle, 3).with_tree(2, 6);
+    for batch in [1, 3, 8] {
+        let prompts = prompts(batch, 400 + batch as u64);
+        let got = speculative(&target, &mut dec, &prompts, NEW_TOKENS);
+        for (p, g) in prompts.iter().zip(&got) {
+            assert_eq!(g, &plain_greedy(&target, p, NEW_TOKENS), "eagle tree, batch {batch}, prompt {p:?}");
+        }
+    }
+    println!("eagle3 tree: {}", dec.take_stats().summary());
+
+    // The self-drafter's tree always holds the target's argmax path: every depth is accepted.
+    let mut dec = SpecDecoder::new(SelfDrafter::new(target.clone(), 256, 4, &device).unwrap(), 3).with_tree(2, 6);
+    for batch in [1, 4] {
+        let prompts = prompts(batch, 500 + batch as u64);
+        let got = speculative(&target, &mut dec, &prompts, NEW_TOKENS);
+        for (p, g) in prompts.iter().zip(&got) {
+            assert_eq!(g, &plain_greedy(&target, p, NEW_TOKENS), "self tree, batch {batch}, prompt {p:?}");
+        }
+    }
+    let stats = dec.take_stats();
+    println!("self tree: {}", stats.summary());
+    assert_eq!(stats.accepted, stats.drafted, "{}", stats.summary());
+
+    // Spoiled self-drafter: the argmax sometimes sits in the second branch, sometimes nowhere.
+    let spoiled = Spoiled(SelfDrafter::new(target.clone(), 256, 4, &device).unwrap());
+    let mut dec = SpecDecoder::new(spoiled, 3).with_tree(2, 5);
+    for batch in [2, 5] {
+        let prompts = prompts(batch, 600 + batch as u64);
+        let got = speculative(&target, &mut dec, &prompts, NEW_TOKENS);
+        for (p, g) in prompts.iter().zip(&got) {
+            assert_eq!(g, &plain_greedy(&target, p, NEW_TOKENS), "spoiled tree, batch {batch}, prompt {p:?}");
+        }
+    }
+    let stats = dec.take_stats();
+    println!("spoiled tree: {}", stats.summary());
+    assert!(stats.accepted > 0 && stats.accepted < stats.drafted, "{}", stats.summary());
 }
