@@ -13,6 +13,10 @@ const BENCHES: &[(&str, &str, &str)] = &[
 ];
 
 pub fn run_bench(root: &Path, args: &[String]) -> Result<()> {
+    if args.first().map(String::as_str) == Some("kernels") {
+        // GPU benchmark: built here, run where the GPU is (see gpu.rs).
+        return crate::gpu::bench_kernels(root);
+    }
     let Some(name) = args.first() else {
         bail!("usage: cargo xtask bench <{}> [args...]", names());
     };
@@ -28,7 +32,7 @@ pub fn run_bench(root: &Path, args: &[String]) -> Result<()> {
 }
 
 fn names() -> String {
-    BENCHES.iter().map(|(n, _, _)| *n).collect::<Vec<_>>().join("|")
+    BENCHES.iter().map(|(n, _, _)| *n).chain(["kernels"]).collect::<Vec<_>>().join("|")
 }
 
 pub fn run(root: &Path, args: &[String]) -> Result<()> {

@@ -4,6 +4,7 @@
 //! broken library never breaks the tool that diagnoses it.
 
 mod bench;
+mod gpu;
 mod tidy;
 mod tiny_model;
 
@@ -23,6 +24,9 @@ commands:
   gpu-bundle              release binary + GPU check inputs in .device/ for the device machine
                           (then there: python3 scripts/gpu_check.py)
   bench load              safetensors index/map and CPU dequantization throughput (bench/load.json)
+  bench kernels           fused INT4 MoE kernel vs torch peers and copy bandwidth, on a GPU (bench/kernels*.json;
+                          without a GPU here: builds .device-kern/ and prints the device command)
+  gpu-test                GPU kernels vs their CPU references (.device-kern/gpu_kernels check, on a GPU)
   tiny-model [--check]    regenerate crates/server/assets/tiny-model (eyrie serve's default model), or check it
 ";
 
@@ -37,6 +41,7 @@ fn main() -> Result<()> {
         Some("fixtures") => fixtures(&args[1..]),
         Some("bench") => bench::run(&root, &args[1..]),
         Some("gpu-bundle") => gpu_bundle(&root),
+        Some("gpu-test") => gpu::gpu_test(&root),
         Some("tiny-model") => tiny_model::run(&root, &args[1..]),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");

@@ -22,8 +22,8 @@ use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use burn::cubecl::server::Handle;
 use eyrie_quant::cuda::{
-    Dequant, GpuExperts, GpuRouting, Mismatch, MoeExperts, MoeShape, Routing, SplitMix64, copy_f32, moe_forward,
-    moe_reference,
+    Dequant, GpuExperts, GpuRouting, Mismatch, MoeConfig, MoeExperts, MoeShape, Routing, SplitMix64, Stages, copy_f32,
+    moe_forward_with, moe_reference,
 };
 use half::bf16;
 
@@ -73,6 +73,7 @@ fn check_case(
     m: usize,
     topk: usize,
     seed: u64,
+    cfg: &MoeConfig,
 ) -> Result<(Mismatch, Mismatch, usize)> {
     let s = ex.shape();
     let mut rng = SplitMix64::new(seed);
@@ -82,7 +83,7 @@ fn check_case(
     let x_dev = client.create_from_slice(bf16::as_bytes(&x));
     let r_dev = GpuRouting::upload(client, &routing, &weights);
     let out = client.empty(m * s.hidden * 4);
-    moe_forward(client, gpu, &x_dev, &r_dev, &out);
+    moe_forward_with(client, gpu, &x_dev, &r_dev, &out, cfg, Stages::All);
     let bytes = client.read_one(out).map_err(|e| anyhow::anyhow!("read: {e:?}"))?;
     let got = f32::from_bytes(&bytes).to_vec();
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
@@ -116,8 +117,12 @@ fn run_checks(client: &ComputeClient<R>, kimi: &MoeExperts, gpu_kimi: &GpuExpert
         );
     };
     for (i, m) in [1usize, 8, 32, 128].into_iter().enumerate() {
-        report(KIMI, m, TOPK, check_case(client, kimi, gpu_kimi, m, TOPK, 100 + i as u64)?);
+        report(KIMI, m, TOPK, check_case(client, kimi, gpu_kimi, m, TOPK, 100 + i as u64, &MoeConfig::default())?);
     }
+    // Another launch shape: one unit per warp, two down rows at once, at most two tokens per pass.
+    let alt =
+        MoeConfig { warps: 4, rows_per_warp_13: 1, rows_per_warp_2: 1, rows_at_once_2: 2, max_tb: 2, prefetch: false };
+    report(KIMI, 64, TOPK, check_case(client, kimi, gpu_kimi, 64, TOPK, 150, &alt)?);
     let others = [
         (MoeShape { hidden: 7168, inter: 2048, experts: 16, group: 64 }, 8, TOPK),
         (MoeShape { hidden: 7168, inter: 2048, experts: 16, group: 128 }, 8, TOPK),
@@ -128,9 +133,55 @@ fn run_checks(client: &ComputeClient<R>, kimi: &MoeExperts, gpu_kimi: &GpuExpert
     for (i, (shape, m, topk)) in others.into_iter().enumerate() {
         let ex = MoeExperts::random(shape, 7 + i as u64)?;
         let gpu = GpuExperts::upload(client, &ex.kernel_layout());
-        report(shape, m, topk, check_case(client, &ex, &gpu, m, topk, 200 + i as u64)?);
+        report(shape, m, topk, check_case(client, &ex, &gpu, m, topk, 200 + i as u64, &MoeConfig::default())?);
     }
     Ok(failed)
+}
+
+/// Launch shapes tried per batch size; the fastest is reported (all compute the same result).
+fn sweep(m: usize) -> Vec<MoeConfig> {
+    let c = |warps, rows_per_warp_13, rows_per_warp_2, rows_at_once_2, max_tb, prefetch| MoeConfig {
+        warps,
+        rows_per_warp_13,
+        rows_per_warp_2,
+        rows_at_once_2,
+        max_tb,
+        prefetch,
+    };
+    match m {
+        0 | 1 => vec![
+            c(16, 1, 1, 4, 4, true),
+            c(16, 1, 1, 4, 4, false),
+            c(8, 2, 2, 4, 4, true),
+            c(8, 1, 1, 4, 4, true),
+            c(8, 2, 4, 2, 4, true),
+            c(16, 2, 2, 4, 4, true),
+            c(8, 4, 4, 4, 4, true),
+            c(4, 2, 2, 4, 4, true),
+        ],
+        2..=16 => vec![
+            c(8, 2, 2, 4, 4, true),
+            c(8, 2, 2, 4, 4, false),
+            c(8, 2, 4, 2, 4, true),
+            c(16, 1, 1, 4, 4, true),
+            c(8, 4, 4, 4, 4, true),
+            c(8, 2, 2, 4, 2, true),
+        ],
+        17..=64 => vec![
+            c(8, 2, 4, 2, 4, true),
+            c(8, 2, 4, 2, 4, false),
+            c(8, 2, 2, 4, 2, true),
+            c(8, 2, 2, 4, 4, true),
+            c(16, 1, 1, 4, 2, true),
+        ],
+        _ => vec![
+            c(8, 2, 2, 4, 2, true),
+            c(8, 2, 2, 4, 2, false),
+            c(8, 2, 4, 2, 2, true),
+            c(16, 1, 1, 4, 2, true),
+            c(8, 2, 2, 4, 4, true),
+        ],
+    }
 }
 
 /// Median of `v` (sorted in place).
@@ -188,7 +239,27 @@ fn run_bench(client: &ComputeClient<R>, kimi: &MoeExperts, gpu: &GpuExperts<R>, 
             max_tokens = max_tokens.max(r.max_tokens);
             routings.push(GpuRouting::upload(client, &r, &weights));
         }
-        let us = time_us(client, 16, 9, 32, |j| moe_forward(client, gpu, &x, &routings[j % 16], &out))?;
+        let fwd = |cfg: &MoeConfig, stages: Stages, j: usize| {
+            moe_forward_with(client, gpu, &x, &routings[j % 16], &out, cfg, stages)
+        };
+        let mut best = (f64::INFINITY, MoeConfig::default());
+        for cfg in sweep(m) {
+            let us = time_us(client, 8, 5, 16, |j| fwd(&cfg, Stages::All, j))?;
+            eprintln!("  m={m} {cfg:?}: {us:.1} us");
+            if us < best.0 {
+                best = (us, cfg);
+            }
+        }
+        let cfg = best.1;
+        let us = time_us(client, 16, 9, 32, |j| fwd(&cfg, Stages::All, j))?;
+        let stage_us: Vec<f64> = [Stages::GateUp, Stages::Down, Stages::Combine]
+            .into_iter()
+            .map(|st| time_us(client, 8, 9, 32, |j| fwd(&cfg, st, j)))
+            .collect::<Result<_>>()?;
+        eprintln!(
+            "  m={m} best {cfg:?}: {us:.1} us; gate/up {:.1}, down {:.1}, combine {:.1}",
+            stage_us[0], stage_us[1], stage_us[2]
+        );
         let mean_active = active.iter().sum::<usize>() as f64 / active.len() as f64;
         // Bytes that must move: the routed experts' packed weights and scales, the input and the output.
         let bytes = mean_active * s.expert_bytes() as f64 + (m * s.hidden * (2 + 4)) as f64;
@@ -202,6 +273,8 @@ fn run_bench(client: &ComputeClient<R>, kimi: &MoeExperts, gpu: &GpuExperts<R>, 
             "m": m, "topk": TOPK, "active_experts_mean": mean_active, "us": us, "bytes": bytes,
             "gb_per_s": gbs, "pct_copy_bw": 100.0 * gbs / copy_gbs, "max_tokens_per_expert": max_tokens,
             "roofline_us": bytes / (copy_gbs * 1e3),
+            "config": format!("{cfg:?}"),
+            "stage_us": {"gate_up": stage_us[0], "down": stage_us[1], "combine": stage_us[2]},
         }));
         drop::<(Handle, Handle)>((x, out));
     }
@@ -209,7 +282,7 @@ fn run_bench(client: &ComputeClient<R>, kimi: &MoeExperts, gpu: &GpuExperts<R>, 
         let doc = serde_json::json!({
             "what": "fused INT4 W4A16 MoE layer (eyrie-quant CubeCL kernels: gate+up+SiLU, down, combine)",
             "shape": {"hidden": s.hidden, "inter": s.inter, "experts": s.experts, "group": s.group, "topk": TOPK},
-            "timing": "wall clock over 32 calls between device syncs, median of 9 batches, 16 routings cycled",
+            "timing": "wall clock over 32 calls between device syncs, median of 9 batches, 16 routings cycled; launch shape: fastest of a sweep (config)",
             "copy_gb_per_s": copy_gbs,
             "rows": rows,
         });

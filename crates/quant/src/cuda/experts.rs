@@ -222,7 +222,7 @@ pub struct Routing {
     pub m: usize,
     /// Experts per token.
     pub topk: usize,
-    /// Distinct routed experts, ascending.
+    /// Distinct routed experts, by class (1 token, 2 tokens, 3 or more), ascending within a class.
     pub experts: Vec<u32>,
     /// `experts.len() + 1` offsets into `pairs`.
     pub offsets: Vec<u32>,
@@ -230,6 +230,18 @@ pub struct Routing {
     pub pairs: Vec<u32>,
     /// Largest number of tokens routed to one expert.
     pub max_tokens: usize,
+    /// Slots `class_bounds[c]..class_bounds[c + 1]` of `experts` hold the experts of class `c`: 1 token, 2 tokens,
+    /// 3 or more. The kernels are specialised on the tokens they handle per pass (1, 2 or 4), one launch per class.
+    pub class_bounds: [usize; 4],
+}
+
+/// Class of an expert with `count` routed tokens (see [`Routing::class_bounds`]).
+fn class_of(count: u32) -> usize {
+    match count {
+        0 | 1 => 0,
+        2 => 1,
+        _ => 2,
+    }
 }
 
 impl Routing {
@@ -251,7 +263,13 @@ impl Routing {
         }
         let mut counts = vec![0u32; n_experts];
         ids.iter().for_each(|&e| counts[e as usize] += 1);
-        let experts: Vec<u32> = (0..n_experts as u32).filter(|&e| counts[e as usize] > 0).collect();
+        let mut experts: Vec<u32> = (0..n_experts as u32).filter(|&e| counts[e as usize] > 0).collect();
+        experts.sort_by_key(|&e| class_of(counts[e as usize]));
+        let mut class_bounds = [0usize; 4];
+        for c in 0..3 {
+            class_bounds[c + 1] =
+                class_bounds[c] + experts.iter().filter(|&&e| class_of(counts[e as usize]) == c).count();
+        }
         let mut offsets = Vec::with_capacity(experts.len() + 1);
         let mut start = vec![0u32; n_experts];
         let mut acc = 0u32;
@@ -267,7 +285,7 @@ impl Routing {
             start[e as usize] += 1;
         }
         let max_tokens = counts.iter().copied().max().unwrap_or(0) as usize;
-        Ok(Self { m, topk, experts, offsets, pairs, max_tokens })
+        Ok(Self { m, topk, experts, offsets, pairs, max_tokens, class_bounds })
     }
 }
 
@@ -336,10 +354,14 @@ mod tests {
     fn routing_groups_pairs_by_expert() {
         // m = 3, topk = 2.
         let r = Routing::new(&[4, 1, 1, 2, 4, 0], 3, 2, 5).unwrap();
-        assert_eq!(r.experts, vec![0, 1, 2, 4]);
-        assert_eq!(r.offsets, vec![0, 1, 3, 4, 6]);
-        assert_eq!(r.pairs, vec![5, 1, 2, 3, 0, 4]);
+        // Experts 0 and 2 get one token, 1 and 4 two: classes [0, 2], [1, 4].
+        assert_eq!(r.experts, vec![0, 2, 1, 4]);
+        assert_eq!(r.offsets, vec![0, 1, 2, 4, 6]);
+        assert_eq!(r.pairs, vec![5, 3, 1, 2, 0, 4]);
         assert_eq!(r.max_tokens, 2);
+        assert_eq!(r.class_bounds, [0, 2, 4, 4]);
+        let r = Routing::new(&[0, 1, 0, 2, 0, 3], 3, 2, 4).unwrap();
+        assert_eq!((r.experts.clone(), r.class_bounds), (vec![1, 2, 3, 0], [0, 3, 3, 4]));
         assert!(Routing::new(&[1, 1], 1, 2, 5).is_err());
         assert!(Routing::new(&[1, 7], 1, 2, 5).is_err());
         assert!(Routing::new(&[1], 1, 2, 5).is_err());

@@ -10,14 +10,44 @@ use cubecl::server::Handle;
 use super::experts::{KernelLayout, MoeShape, Routing};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 
-/// Warps per block in the expert kernels.
-const WARPS: usize = 8;
-/// Row pairs per warp: gate/up kernel (7168-wide rows) and down kernel (2048-wide rows, so more rows per warp to
-/// keep enough loads in flight).
-const ROWS_PER_WARP_13: usize = 2;
-const ROWS_PER_WARP_2: usize = 4;
 /// 16-byte vectors: four packed words, or four f32 activations.
 const VEC: usize = 4;
+
+/// Launch shape of the fused MoE (kernel specialisations; [`MoeConfig::default`] is the tuned one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeConfig {
+    /// Warps per block.
+    pub warps: usize,
+    /// Gate/up kernel: units (gate row + up row) per warp, one after the other.
+    pub rows_per_warp_13: usize,
+    /// Down kernel: row groups per warp, one after the other.
+    pub rows_per_warp_2: usize,
+    /// Down kernel: rows per warp computed together (2 or 4), so more loads are in flight.
+    pub rows_at_once_2: usize,
+    /// Largest tokens per pass (1, 2 or 4): experts with more tokens are handled in several passes.
+    pub max_tb: usize,
+    /// Start loading each warp's first rows before staging the activations (overlaps the two latencies).
+    pub prefetch: bool,
+}
+
+impl Default for MoeConfig {
+    fn default() -> Self {
+        Self { warps: 8, rows_per_warp_13: 2, rows_per_warp_2: 2, rows_at_once_2: 4, max_tb: 4, prefetch: true }
+    }
+}
+
+/// Which launches [`moe_forward_with`] issues (all, or one alone for per-stage timing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stages {
+    /// The whole layer.
+    All,
+    /// Gate + up + SiLU only.
+    GateUp,
+    /// Down only (on whatever the intermediate buffer holds).
+    Down,
+    /// Weighted combine only.
+    Combine,
+}
 
 /// One MoE layer's experts on the device, in the [`KernelLayout`].
 #[derive(Debug)]
@@ -55,7 +85,7 @@ pub struct GpuRouting {
     m: usize,
     topk: usize,
     n_active: usize,
-    max_tokens: usize,
+    class_bounds: [usize; 4],
     experts: Handle,
     offsets: Handle,
     pairs: Handle,
@@ -70,7 +100,7 @@ impl GpuRouting {
             m: routing.m,
             topk: routing.topk,
             n_active: routing.experts.len(),
-            max_tokens: routing.max_tokens,
+            class_bounds: routing.class_bounds,
             experts: client.create_from_slice(u32::as_bytes(&routing.experts)),
             offsets: client.create_from_slice(u32::as_bytes(&routing.offsets)),
             pairs: client.create_from_slice(u32::as_bytes(&routing.pairs)),
@@ -81,15 +111,6 @@ impl GpuRouting {
     /// Tokens in the step.
     pub fn m(&self) -> usize {
         self.m
-    }
-}
-
-/// Tokens per pass over an expert's rows (a kernel specialisation): 1, 2 or 4.
-fn tokens_per_pass(max_tokens: usize) -> usize {
-    match max_tokens {
-        0 | 1 => 1,
-        2 => 2,
-        _ => 4,
     }
 }
 
@@ -104,8 +125,9 @@ unsafe fn arg<R: Runtime>(handle: &Handle, len: usize) -> ArrayArg<R> {
 
 /// The fused MoE layer: `out[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`.
 ///
-/// `x`: `[m, hidden]` BF16; `out`: `[m, hidden]` f32 (written, not accumulated). Three launches: gate+up with
-/// SiLU*up for every (token, expert) pair grouped by expert, down for every pair, weighted combine per token.
+/// `x`: `[m, hidden]` BF16; `out`: `[m, hidden]` f32 (written, not accumulated). Launches: gate+up with SiLU*up
+/// for every (token, expert) pair grouped by expert, down for every pair (each one launch per non-empty class of
+/// experts by routed-token count), then the weighted combine per token.
 pub fn moe_forward<R: Runtime>(
     client: &ComputeClient<R>,
     experts: &GpuExperts<R>,
@@ -113,80 +135,124 @@ pub fn moe_forward<R: Runtime>(
     routing: &GpuRouting,
     out: &Handle,
 ) {
+    moe_forward_with(client, experts, x, routing, out, &MoeConfig::default(), Stages::All);
+}
+
+/// [`moe_forward`] with an explicit launch shape, or only some of its launches (benchmarks).
+pub fn moe_forward_with<R: Runtime>(
+    client: &ComputeClient<R>,
+    experts: &GpuExperts<R>,
+    x: &Handle,
+    routing: &GpuRouting,
+    out: &Handle,
+    cfg: &MoeConfig,
+    stages: Stages,
+) {
     let s = experts.shape;
     let n_pairs = routing.m * routing.topk;
     if n_pairs == 0 {
         return;
     }
+    assert!(matches!(cfg.rows_at_once_2, 2 | 4) && matches!(cfg.max_tb, 1 | 2 | 4) && cfg.warps > 0);
     let h = client.empty(n_pairs * s.inter * 4);
     let y = client.empty(n_pairs * s.hidden * 4);
-    let tb = tokens_per_pass(routing.max_tokens);
     let address = AddressType::from_len(experts_len(&s));
-    let blocks_13 = s.inter.div_ceil(WARPS * ROWS_PER_WARP_13) as u32;
-    let blocks_2 = (s.hidden / 2).div_ceil(WARPS * ROWS_PER_WARP_2) as u32;
-    let dim = CubeDim::new_2d(32, WARPS as u32);
-    // SAFETY: every buffer is passed with its true length; the kernels index inside `[E, rows, k/32]` weights
-    // (expert ids are checked by `Routing::new`), `[m, hidden]` / `[pairs, inter]` activations and the routing
-    // arrays of `Routing`, whose offsets and pair indices are in range by construction.
-    unsafe {
-        expert_rows_kernel::launch_unchecked::<half::bf16, R>(
-            client,
-            CubeCount::Static(blocks_13, routing.n_active as u32, 1),
-            dim,
-            address,
-            VEC,
-            arg(x, routing.m * s.hidden),
-            arg(&experts.w13, s.experts * 2 * s.inter * s.hidden / 32),
-            arg(&experts.s13, s.experts * 2 * s.inter * s.hidden / s.group),
-            arg(&routing.experts, routing.n_active),
-            arg(&routing.offsets, routing.n_active + 1),
-            arg(&routing.pairs, n_pairs),
-            arg(&h, n_pairs * s.inter),
-            s.hidden,
-            2 * s.inter,
-            s.group,
-            routing.topk,
-            tb,
-            ROWS_PER_WARP_13,
-            WARPS,
-            true,
-            true,
-        );
-        expert_rows_kernel::launch_unchecked::<f32, R>(
-            client,
-            CubeCount::Static(blocks_2, routing.n_active as u32, 1),
-            dim,
-            address,
-            VEC,
-            arg(&h, n_pairs * s.inter),
-            arg(&experts.w2, s.experts * s.hidden * s.inter / 32),
-            arg(&experts.s2, s.experts * s.hidden * s.inter / s.group),
-            arg(&routing.experts, routing.n_active),
-            arg(&routing.offsets, routing.n_active + 1),
-            arg(&routing.pairs, n_pairs),
-            arg(&y, n_pairs * s.hidden),
-            s.inter,
-            s.hidden,
-            s.group,
-            routing.topk,
-            tb,
-            ROWS_PER_WARP_2,
-            WARPS,
-            false,
-            false,
-        );
+    let blocks_13 = s.inter.div_ceil(cfg.warps * cfg.rows_per_warp_13) as u32;
+    let blocks_2 = (s.hidden / cfg.rows_at_once_2).div_ceil(cfg.warps * cfg.rows_per_warp_2) as u32;
+    let dim = CubeDim::new_2d(32, cfg.warps as u32);
+    for (class, tb) in [1usize, 2, 4].into_iter().enumerate() {
+        let (first, end) = (routing.class_bounds[class], routing.class_bounds[class + 1]);
+        if first == end {
+            continue;
+        }
+        let tb = tb.min(cfg.max_tb);
+        let count = CubeCount::Static(blocks_13, (end - first) as u32, 1);
+        // SAFETY: every buffer is passed with its true length; the kernels index inside `[E, rows, k/32]` weights
+        // (expert ids are checked by `Routing::new`), `[m, hidden]` / `[pairs, inter]` activations and the routing
+        // arrays of `Routing`, whose slots, offsets and pair indices are in range by construction.
+        unsafe {
+            if matches!(stages, Stages::All | Stages::GateUp) {
+                expert_rows_kernel::launch_unchecked::<half::bf16, R>(
+                    client,
+                    count,
+                    dim,
+                    address,
+                    VEC,
+                    arg(x, routing.m * s.hidden),
+                    arg(&experts.w13, s.experts * 2 * s.inter * s.hidden / 32),
+                    arg(&experts.s13, s.experts * 2 * s.inter * s.hidden / s.group),
+                    arg(&routing.experts, routing.n_active),
+                    arg(&routing.offsets, routing.n_active + 1),
+                    arg(&routing.pairs, n_pairs),
+                    arg(&h, n_pairs * s.inter),
+                    first as u32,
+                    s.hidden,
+                    2 * s.inter,
+                    2,
+                    s.group,
+                    routing.topk,
+                    tb,
+                    cfg.rows_per_warp_13,
+                    cfg.warps,
+                    true,
+                    true,
+                    cfg.prefetch,
+                );
+            }
+        }
+    }
+    for (class, tb) in [1usize, 2, 4].into_iter().enumerate() {
+        let (first, end) = (routing.class_bounds[class], routing.class_bounds[class + 1]);
+        if first == end || !matches!(stages, Stages::All | Stages::Down) {
+            continue;
+        }
+        let tb = tb.min(cfg.max_tb);
+        // SAFETY: as above.
+        unsafe {
+            expert_rows_kernel::launch_unchecked::<f32, R>(
+                client,
+                CubeCount::Static(blocks_2, (end - first) as u32, 1),
+                dim,
+                address,
+                VEC,
+                arg(&h, n_pairs * s.inter),
+                arg(&experts.w2, s.experts * s.hidden * s.inter / 32),
+                arg(&experts.s2, s.experts * s.hidden * s.inter / s.group),
+                arg(&routing.experts, routing.n_active),
+                arg(&routing.offsets, routing.n_active + 1),
+                arg(&routing.pairs, n_pairs),
+                arg(&y, n_pairs * s.hidden),
+                first as u32,
+                s.inter,
+                s.hidden,
+                cfg.rows_at_once_2,
+                s.group,
+                routing.topk,
+                tb,
+                cfg.rows_per_warp_2,
+                cfg.warps,
+                false,
+                false,
+                cfg.prefetch,
+            );
+        }
+    }
+    if matches!(stages, Stages::All | Stages::Combine) {
         let total = routing.m * s.hidden;
-        combine_kernel::launch_unchecked::<R>(
-            client,
-            CubeCount::Static(total.div_ceil(256) as u32, 1, 1),
-            CubeDim::new_1d(256),
-            AddressType::from_len(n_pairs * s.hidden),
-            arg(&y, n_pairs * s.hidden),
-            arg(&routing.weights, n_pairs),
-            arg(out, total),
-            s.hidden,
-            routing.topk,
-        );
+        // SAFETY: `y` is `[pairs, hidden]`, `weights` `[pairs]`, `out` `[m, hidden]`; one thread per output.
+        unsafe {
+            combine_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(total.div_ceil(256) as u32, 1, 1),
+                CubeDim::new_1d(256),
+                AddressType::from_len(n_pairs * s.hidden),
+                arg(&y, n_pairs * s.hidden),
+                arg(&routing.weights, n_pairs),
+                arg(out, total),
+                s.hidden,
+                routing.topk,
+            );
+        }
     }
 }
 

@@ -32,14 +32,56 @@ fn nibble(src: u32, #[comptime] k: u32) -> f32 {
     f32::reinterpret(bits) - f32::new(comptime!(8_388_608.0f32 + 8.0 * (1u32 << (4 * k)) as f32))
 }
 
+/// Loads this lane's share of `nr` rows (`row0 + q * stride`): 16-byte weight vectors `lane + 32 i` and their
+/// scales; vectors past the row's end read as zero words with scale 0.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_rows<N: Size>(
+    words: &Array<Vector<u32, N>>,
+    scales: &Array<bf16>,
+    wv: &mut Array<Vector<u32, N>>,
+    sc: &mut Array<f32>,
+    row0: usize,
+    lane: usize,
+    #[comptime] k: usize,
+    #[comptime] group: usize,
+    #[comptime] stride: usize,
+    #[comptime] nr: usize,
+) {
+    let kv = comptime!(k / 32);
+    let per_lane = comptime!(k.div_ceil(1024));
+    let ng = comptime!(k / group);
+    #[unroll]
+    for q in 0..nr {
+        let row = row0 + q * stride;
+        #[unroll]
+        for i in 0..per_lane {
+            let v = lane + 32 * i;
+            if v < kv {
+                wv[q * per_lane + i] = words[row * kv + v];
+                sc[q * per_lane + i] = f32::cast_from(scales[row * ng + v * 32 / group]);
+            } else {
+                let mut z = Vector::<u32, N>::empty();
+                z[0] = u32::new(0);
+                z[1] = u32::new(0);
+                z[2] = u32::new(0);
+                z[3] = u32::new(0);
+                wv[q * per_lane + i] = z;
+                sc[q * per_lane + i] = f32::new(0.0);
+            }
+        }
+    }
+}
+
 /// Rows of one expert's INT4 matrix times the activations of the tokens routed to it.
 ///
 /// - `act`: `[*, k]` activations; row `pair / topk` (`by_token`, the layer input) or `pair` (the intermediate).
 /// - `words`: `[E, rows, k/32]` 16-byte vectors (`N` = 4 words); `scales`: `[E, rows, k/group]` BF16.
 /// - `experts`, `offsets`, `pairs`: the grouping of [`super::Routing`].
 /// - `out`: `gated`: `[pairs, rows/2]`, `silu(row j) * row (j + rows/2)`; else `[pairs, rows]`.
+/// - `slot0`: first active-expert slot of this launch (grid row `y` is slot `slot0 + y`).
 ///
-/// Each warp computes rows `j` and `j + rows/2` (gate and up of the same unit when `gated`).
+/// Each warp computes rows `j + q * rows / rows_at_once`, `q < rows_at_once` (`gated`: 2, gate and up of unit `j`).
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments)]
 pub fn expert_rows_kernel<F: Float, N: Size>(
@@ -50,8 +92,10 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
     offsets: &Array<u32>,
     pairs: &Array<u32>,
     out: &mut Array<f32>,
+    slot0: u32,
     #[comptime] k: usize,
     #[comptime] rows: usize,
+    #[comptime] rows_at_once: usize,
     #[comptime] group: usize,
     #[comptime] topk: usize,
     #[comptime] tb: usize,
@@ -59,11 +103,12 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
     #[comptime] warps: usize,
     #[comptime] gated: bool,
     #[comptime] by_token: bool,
+    #[comptime] prefetch: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let tid = UNIT_POS as usize;
-    let slot = CUBE_POS_Y as usize;
+    let slot = (CUBE_POS_Y + slot0) as usize;
     let e = experts[slot] as usize;
     let start = offsets[slot] as usize;
     let count = offsets[slot + 1] as usize - start;
@@ -73,17 +118,28 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
     let per_lane = comptime!(k.div_ceil(1024));
     let k4 = comptime!(k / 4);
     let kpad = comptime!(k / 4 + k / 32);
-    let ng = comptime!(k / group);
-    let half = comptime!(rows / 2);
+    let stride = comptime!(rows / rows_at_once);
+    let nr = comptime!(rows_at_once);
     let threads = comptime!(32 * warps);
     let fill_iters = comptime!((tb * k / 4).div_ceil(32 * warps));
 
     let mut xs = SharedMemory::<Vector<f32, N>>::new(comptime!(tb * (k / 4 + k / 32)));
 
+    let mut wv = Array::<Vector<u32, N>>::new(comptime!(rows_at_once * k.div_ceil(1024)));
+    let mut sc = Array::<f32>::new(comptime!(rows_at_once * k.div_ceil(1024)));
+    let j_first = (CUBE_POS_X as usize * warps + warp) * rows_per_warp;
+
     let n_chunks = (count + tb - 1) / tb;
     for ch in 0..n_chunks {
         let c0 = start + ch * tb;
         let n = count - ch * tb;
+        if prefetch {
+            if j_first < stride {
+                // The first rows' weights do not depend on the activations: start their loads now, so their
+                // latency overlaps the staging below.
+                load_rows::<N>(words, scales, &mut wv, &mut sc, e * rows + j_first, lane, k, group, stride, nr);
+            }
+        }
 
         // Activations of this chunk's tokens, f32, column c scaled by 2^(-4 (c % 4)); zero for missing tokens.
         for it in 0..fill_iters {
@@ -115,41 +171,22 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
 
         for r in 0..rows_per_warp {
             let j = (CUBE_POS_X as usize * warps + warp) * rows_per_warp + r;
-            if j < half {
-                let ra = e * rows + j;
-                let rb = ra + half;
-                // All of this lane's loads first, so they are in flight together.
-                let mut wa = Array::<Vector<u32, N>>::new(per_lane);
-                let mut wb = Array::<Vector<u32, N>>::new(per_lane);
-                let mut sa = Array::<f32>::new(per_lane);
-                let mut sb = Array::<f32>::new(per_lane);
-                #[unroll]
-                for i in 0..per_lane {
-                    let v = lane + 32 * i;
-                    if v < kv {
-                        wa[i] = words[ra * kv + v];
-                        wb[i] = words[rb * kv + v];
-                        sa[i] = f32::cast_from(scales[ra * ng + v * 32 / group]);
-                        sb[i] = f32::cast_from(scales[rb * ng + v * 32 / group]);
-                    } else {
-                        let mut z = Vector::<u32, N>::empty();
-                        z[0] = u32::new(0);
-                        z[1] = u32::new(0);
-                        z[2] = u32::new(0);
-                        z[3] = u32::new(0);
-                        wa[i] = z;
-                        wb[i] = z;
-                        sa[i] = f32::new(0.0);
-                        sb[i] = f32::new(0.0);
-                    }
+            if j < stride {
+                let row0 = e * rows + j;
+                // All of this lane's loads first, so they are in flight together: `nr` rows x `per_lane` vectors.
+                // With `prefetch`, the first row group was loaded before the activations were staged.
+                let mut need = true;
+                if prefetch {
+                    need = r > 0;
+                }
+                if need {
+                    load_rows::<N>(words, scales, &mut wv, &mut sc, row0, lane, k, group, stride, nr);
                 }
 
-                let mut acc_a = Array::<f32>::new(tb);
-                let mut acc_b = Array::<f32>::new(tb);
+                let mut acc = Array::<f32>::new(comptime!(rows_at_once * tb));
                 #[unroll]
-                for t in 0..tb {
-                    acc_a[t] = f32::new(0.0);
-                    acc_b[t] = f32::new(0.0);
+                for a in 0..comptime!(rows_at_once * tb) {
+                    acc[a] = f32::new(0.0);
                 }
 
                 #[unroll]
@@ -159,77 +196,73 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
                     if v >= kv {
                         v = kv - 1;
                     }
-                    let mut pa = Array::<f32>::new(tb);
-                    let mut pb = Array::<f32>::new(tb);
+                    let mut part = Array::<f32>::new(comptime!(rows_at_once * tb));
                     #[unroll]
-                    for t in 0..tb {
-                        pa[t] = f32::new(0.0);
-                        pb[t] = f32::new(0.0);
+                    for a in 0..comptime!(rows_at_once * tb) {
+                        part[a] = f32::new(0.0);
                     }
                     #[unroll]
                     for w in 0..4usize {
-                        let la = wa[i][w];
-                        let ha = la >> 16u32;
-                        let lb = wb[i][w];
-                        let hb = lb >> 16u32;
-                        let a0 = nibble(la, 0u32);
-                        let a1 = nibble(la, 1u32);
-                        let a2 = nibble(la, 2u32);
-                        let a3 = nibble(la, 3u32);
-                        let a4 = nibble(ha, 0u32);
-                        let a5 = nibble(ha, 1u32);
-                        let a6 = nibble(ha, 2u32);
-                        let a7 = nibble(ha, 3u32);
-                        let b0 = nibble(lb, 0u32);
-                        let b1 = nibble(lb, 1u32);
-                        let b2 = nibble(lb, 2u32);
-                        let b3 = nibble(lb, 3u32);
-                        let b4 = nibble(hb, 0u32);
-                        let b5 = nibble(hb, 1u32);
-                        let b6 = nibble(hb, 2u32);
-                        let b7 = nibble(hb, 3u32);
+                        // q * 16^(c % 4) for the 8 columns of word w of each row.
+                        let mut dq = Array::<f32>::new(comptime!(rows_at_once * 8));
+                        #[unroll]
+                        for q in 0..nr {
+                            let lo = wv[q * per_lane + i][w];
+                            let hi = lo >> 16u32;
+                            dq[q * 8] = nibble(lo, 0u32);
+                            dq[q * 8 + 1] = nibble(lo, 1u32);
+                            dq[q * 8 + 2] = nibble(lo, 2u32);
+                            dq[q * 8 + 3] = nibble(lo, 3u32);
+                            dq[q * 8 + 4] = nibble(hi, 0u32);
+                            dq[q * 8 + 5] = nibble(hi, 1u32);
+                            dq[q * 8 + 6] = nibble(hi, 2u32);
+                            dq[q * 8 + 7] = nibble(hi, 3u32);
+                        }
                         #[unroll]
                         for t in 0..tb {
                             let xi = t * kpad + 9 * v + 2 * w;
                             let x0 = xs[xi];
                             let x1 = xs[xi + 1];
-                            pa[t] += a0 * x0[0]
-                                + a1 * x0[1]
-                                + a2 * x0[2]
-                                + a3 * x0[3]
-                                + a4 * x1[0]
-                                + a5 * x1[1]
-                                + a6 * x1[2]
-                                + a7 * x1[3];
-                            pb[t] += b0 * x0[0]
-                                + b1 * x0[1]
-                                + b2 * x0[2]
-                                + b3 * x0[3]
-                                + b4 * x1[0]
-                                + b5 * x1[1]
-                                + b6 * x1[2]
-                                + b7 * x1[3];
+                            #[unroll]
+                            for q in 0..nr {
+                                part[q * tb + t] += dq[q * 8] * x0[0]
+                                    + dq[q * 8 + 1] * x0[1]
+                                    + dq[q * 8 + 2] * x0[2]
+                                    + dq[q * 8 + 3] * x0[3]
+                                    + dq[q * 8 + 4] * x1[0]
+                                    + dq[q * 8 + 5] * x1[1]
+                                    + dq[q * 8 + 6] * x1[2]
+                                    + dq[q * 8 + 7] * x1[3];
+                            }
                         }
                     }
                     #[unroll]
-                    for t in 0..tb {
-                        acc_a[t] += pa[t] * sa[i];
-                        acc_b[t] += pb[t] * sb[i];
+                    for q in 0..nr {
+                        #[unroll]
+                        for t in 0..tb {
+                            acc[q * tb + t] += part[q * tb + t] * sc[q * per_lane + i];
+                        }
                     }
                 }
 
                 #[unroll]
                 for t in 0..tb {
-                    let a = plane_sum(acc_a[t]);
-                    let b = plane_sum(acc_b[t]);
-                    if lane == 0 && t < n {
-                        let p = pairs[c0 + t] as usize;
-                        if gated {
+                    if gated {
+                        let a = plane_sum(acc[t]);
+                        let b = plane_sum(acc[tb + t]);
+                        if lane == 0 && t < n {
+                            let p = pairs[c0 + t] as usize;
                             let ex = (-a).exp();
-                            out[p * half + j] = a / (f32::new(1.0) + ex) * b;
-                        } else {
-                            out[p * rows + j] = a;
-                            out[p * rows + j + half] = b;
+                            out[p * stride + j] = a / (f32::new(1.0) + ex) * b;
+                        }
+                    } else {
+                        #[unroll]
+                        for q in 0..nr {
+                            let a = plane_sum(acc[q * tb + t]);
+                            if lane == 0 && t < n {
+                                let p = pairs[c0 + t] as usize;
+                                out[p * rows + j + q * stride] = a;
+                            }
                         }
                     }
                 }

@@ -1,0 +1,85 @@
+//! GPU kernel checks and benchmarks (issue 4): the `gpu_kernels` program of eyrie-quant, built here in release
+//! with the `cuda` feature (CubeCL loads the CUDA driver and NVRTC at run time, so no CUDA is needed to build) and
+//! run on a machine with an NVIDIA GPU.
+//!
+//! - `cargo xtask gpu-test`: builds `.device-kern/gpu_kernels` (stripped) and runs `gpu_kernels check` when this
+//!   machine has a GPU; otherwise prints the command to run on the device machine (carrying `.device-kern`).
+//! - `cargo xtask bench kernels`: same build, then the benchmark and its torch peers in one run, writing
+//!   `bench/kernels.json` and `bench/kernels_peer.json` and printing the side-by-side table.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{Context, Result};
+
+use crate::{cargo, run};
+
+/// Folder (ignored through .git/info/exclude) that carries the binary to the device machine.
+const DIR: &str = ".device-kern";
+
+/// Builds the stripped release `gpu_kernels` into `.device-kern/`.
+pub fn bundle(root: &Path) -> Result<()> {
+    let dir = root.join(DIR);
+    std::fs::create_dir_all(&dir).with_context(|| dir.display().to_string())?;
+    let exclude = root.join(".git/info/exclude");
+    if let Ok(text) = std::fs::read_to_string(&exclude)
+        && !text.lines().any(|l| l.trim() == "/.device-kern/")
+    {
+        std::fs::write(&exclude, format!("{text}\n/.device-kern/\n")).with_context(|| exclude.display().to_string())?;
+    }
+    run(cargo().args([
+        "build",
+        "--release",
+        "--locked",
+        "--package",
+        "eyrie-quant",
+        "--features",
+        "cuda",
+        "--example",
+        "gpu_kernels",
+    ]))?;
+    let target = std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), Into::into);
+    let bin = dir.join("gpu_kernels");
+    std::fs::copy(target.join("release/examples/gpu_kernels"), &bin).context("copying gpu_kernels")?;
+    run(Command::new("strip").arg(&bin))
+}
+
+/// True when an NVIDIA GPU answers here.
+fn has_gpu() -> bool {
+    Command::new("nvidia-smi").arg("-L").output().is_ok_and(|o| o.status.success())
+}
+
+/// `cargo xtask gpu-test`.
+pub fn gpu_test(root: &Path) -> Result<()> {
+    bundle(root)?;
+    if has_gpu() {
+        return run(Command::new(root.join(DIR).join("gpu_kernels")).arg("check"));
+    }
+    eprintln!(
+        "no GPU here: carry {DIR} to the GPU machine and run, from the repository root:\n  ./{DIR}/gpu_kernels check"
+    );
+    Ok(())
+}
+
+/// The device command of `cargo xtask bench kernels`, writing into `$OUT` (or `bench/` when run here).
+pub fn bench_command(out: &str) -> String {
+    format!(
+        "./{DIR}/gpu_kernels bench --json {out}/kernels.json && \
+         python3 scripts/bench_kernels_peer.py --out {out}/kernels_peer.json && \
+         python3 scripts/bench_kernels_peer.py --merge {out}/kernels.json {out}/kernels_peer.json"
+    )
+}
+
+/// `cargo xtask bench kernels`.
+pub fn bench_kernels(root: &Path) -> Result<()> {
+    bundle(root)?;
+    if has_gpu() {
+        return run(Command::new("sh").arg("-c").arg(bench_command("bench")));
+    }
+    eprintln!(
+        "no GPU here: carry {DIR} to the GPU machine and run there, from the repository root:\n  {}\n\
+         then copy kernels.json and kernels_peer.json into bench/",
+        bench_command("$OUT")
+    );
+    Ok(())
+}
