@@ -9,6 +9,7 @@
 //! - [`verify`]: lossless acceptance of chains (greedy, and rejection sampling with residual resampling and a bonus
 //!   token) and of trees (multi-candidate rejection with deterministic candidates).
 //! - [`decoder`]: [`SpecDecoder`] (prefill, chain or tree drafting, one batched target verification, rollback).
+//! - [`check`]: `eyrie spec check`: acceptance under both aux-id conventions ([`check_conventions`]).
 //! - [`stats`]: acceptance statistics ([`AcceptanceStats`]).
 //!
 //! ```no_run
@@ -34,6 +35,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod check;
 pub mod config;
 pub mod decoder;
 pub mod drafter;
@@ -43,6 +45,7 @@ pub mod stats;
 pub mod tree;
 pub mod verify;
 
+pub use check::{ConventionCheck, best_convention, check_conventions};
 pub use config::{AuxConvention, DraftFormat, Eagle3Config};
 pub use decoder::{SpecDecoder, SpecSequence};
 pub use drafter::{Drafter, SelfDrafter};

@@ -3,11 +3,13 @@
 //! against a different Markov target p, both through `SamplingParams::probabilities` with top-k 4, so that each
 //! gives zero mass to tokens the other proposes) matches the target's exact joint distribution by a chi-square test
 //! at a fixed seed, and two deliberately wrong verifiers (resampling from p instead of the residual; accepting every
-//! draft p allows) fail the same test.
+//! draft p allows) fail the same test. The same for tree verification: a depth-2 tree of the draft model's top-2
+//! candidates per node (deterministic, q = 1), against the exact rule and a wrong one that does not remove a
+//! rejected candidate's mass before trying its sibling.
 
 use eyrie_model::sampling::{Sampler, SamplingParams};
 use eyrie_spec_decode::verify::residual;
-use eyrie_spec_decode::{ChainVerdict, verify_chain};
+use eyrie_spec_decode::{ChainVerdict, TreeVerdict, verify_chain, verify_tree};
 
 const V: usize = 6;
 const SAMPLES: usize = 60_000;
@@ -158,4 +160,81 @@ fn wrong_verifiers_fail_the_test() {
         println!("{name}: chi2 {stat:.1} (critical {crit:.1})");
         assert!(!ok, "the wrong verifier '{name}' passed the chi-square test ({stat} <= {crit}): the test is too weak");
     }
+}
+
+type TreeVerifier = fn(&[u32], &[usize], &[Vec<f64>], &mut Sampler) -> TreeVerdict;
+
+/// The two most probable draft tokens after `prev` (ties to the lower id).
+fn top2(prev: u32) -> [u32; 2] {
+    let q = params(0).probabilities(&draft_logits(prev), &[]);
+    let mut ids: Vec<usize> = (0..V).collect();
+    ids.sort_by(|&a, &b| q[b].total_cmp(&q[a]).then(a.cmp(&b)));
+    [ids[0] as u32, ids[1] as u32]
+}
+
+/// Like [`sample_pairs`] with trees: root `prev`, its top-2 draft children, and the top-2 children of each.
+fn sample_pairs_tree(verify: TreeVerifier, seed: u64) -> Vec<u64> {
+    let pp = params(seed);
+    let mut sampler = Sampler::new(pp).unwrap();
+    let mut counts = vec![0u64; V * V];
+    for _ in 0..SAMPLES {
+        let mut emitted: Vec<u32> = Vec::new();
+        let mut prev = 0u32;
+        while emitted.len() < 2 {
+            let mut tokens = vec![prev];
+            let mut parents = vec![0];
+            for c in top2(prev) {
+                tokens.push(c);
+                parents.push(0);
+            }
+            for parent in [1, 2] {
+                for c in top2(tokens[parent]) {
+                    tokens.push(c);
+                    parents.push(parent);
+                }
+            }
+            // The target's distribution after each node depends on the node's token (Markov).
+            let p: Vec<Vec<f64>> = tokens.iter().map(|&t| pp.probabilities(&target_logits(t), &[])).collect();
+            let verdict = verify(&tokens, &parents, &p, &mut sampler);
+            prev = *verdict.tokens.last().unwrap();
+            emitted.extend(verdict.tokens);
+        }
+        counts[emitted[0] as usize * V + emitted[1] as usize] += 1;
+    }
+    counts
+}
+
+/// Wrong: a rejected candidate keeps its mass when the sibling is tried and in the final draw.
+fn no_renormalization(tokens: &[u32], parents: &[usize], p: &[Vec<f64>], s: &mut Sampler) -> TreeVerdict {
+    let mut path = vec![0];
+    let mut emitted = Vec::new();
+    let mut cur = 0;
+    'descend: loop {
+        for child in (cur + 1..tokens.len()).filter(|&c| parents[c] == cur) {
+            if s.uniform() < p[cur][tokens[child] as usize] {
+                path.push(child);
+                emitted.push(tokens[child]);
+                cur = child;
+                continue 'descend;
+            }
+        }
+        emitted.push(s.draw(&p[cur]));
+        return TreeVerdict { path, tokens: emitted };
+    }
+}
+
+fn tree_passes(verify: TreeVerifier, seed: u64) -> (bool, f64, f64) {
+    let (stat, df) = chi_square(&sample_pairs_tree(verify, seed), &exact_pairs());
+    let crit = critical(df);
+    (stat <= crit, stat, crit)
+}
+
+#[test]
+fn tree_verification_follows_the_target_distribution_and_a_wrong_rule_fails() {
+    let (ok, stat, crit) = tree_passes(verify_tree, 11);
+    println!("verify_tree: chi2 {stat:.1} (critical {crit:.1})");
+    assert!(ok, "the exact tree verifier fails the chi-square test: {stat} > {crit}");
+    let (ok, stat, crit) = tree_passes(no_renormalization, 11);
+    println!("no renormalization: chi2 {stat:.1} (critical {crit:.1})");
+    assert!(!ok, "the wrong tree verifier passed the chi-square test ({stat} <= {crit})");
 }
