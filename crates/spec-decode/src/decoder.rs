@@ -14,15 +14,15 @@
 
 use std::time::Instant;
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
 use eyrie_model::DeepseekV3;
 use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
 use eyrie_model::sampling::{Sampler, SamplingParams};
 use eyrie_model::tree_verify::TreeEntry;
 
-use crate::drafter::Drafter;
+use crate::drafter::{Drafter, ExtendInput};
 use crate::error::{Result, SpecError};
 use crate::stats::AcceptanceStats;
 use crate::tree::{DraftTree, draft_tree};
@@ -140,19 +140,19 @@ impl<D> SpecDecoder<D> {
         let prompts: Vec<Vec<u32>> = seqs.iter().map(|s| s.tokens.clone()).collect();
         let rows = self.target_forward(target, cache, seqs, &prompts, LogitRows::Last, device)?;
         let mut first = Vec::with_capacity(seqs.len());
-        let mut row = 0;
         for (i, seq) in seqs.iter_mut().enumerate() {
-            let n = prompts[i].len();
             let probs = seq.params().probabilities(rows.row(i), &[]);
             let token = seq.sampler.draw(&probs);
             seq.tokens.push(token);
-            let t = Instant::now();
-            let features: Vec<Tensor<B, 2>> = rows.captured.iter().map(|c| c.clone().narrow(0, row, n)).collect();
-            self.drafter.extend(&mut seq.draft, &prompts[i], token, &features)?;
-            self.stats.draft_time += t.elapsed();
-            row += n;
             first.push(token);
         }
+        // The captured rows are every prompt token, prompt after prompt: what the drafter takes.
+        let t = Instant::now();
+        let inputs: Vec<ExtendInput<'_>> =
+            prompts.iter().zip(&first).map(|(p, &next)| ExtendInput { processed: p, next }).collect();
+        let mut states: Vec<&mut D::State> = seqs.iter_mut().map(|s| &mut s.draft).collect();
+        self.drafter.extend_batch(&mut states, &inputs, &rows.captured)?;
+        self.stats.draft_time += t.elapsed();
         Ok(first)
     }
 
@@ -178,25 +178,24 @@ impl<D> SpecDecoder<D> {
         }
         // 1. Drafting.
         let t = Instant::now();
-        let mut chains: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
-        let mut qs: Vec<Vec<Vec<f64>>> = Vec::with_capacity(seqs.len());
-        for seq in seqs.iter_mut() {
-            let params = seq.params();
-            let mut history = seq.generated().to_vec();
-            let mut chain = vec![*seq.tokens.last().expect("checked non-empty")];
-            let mut q = Vec::with_capacity(self.num_steps);
-            for j in 0..self.num_steps {
-                if j > 0 {
-                    self.drafter.push(&mut seq.draft, chain[j])?;
-                }
-                let probs = params.probabilities(&self.drafter.logits(&seq.draft)?, &history);
-                let d = seq.sampler.draw(&probs);
-                chain.push(d);
-                history.push(d);
-                q.push(probs);
+        let mut chains: Vec<Vec<u32>> =
+            seqs.iter().map(|s| vec![*s.tokens.last().expect("checked non-empty")]).collect();
+        let mut histories: Vec<Vec<u32>> = seqs.iter().map(|s| s.generated().to_vec()).collect();
+        let mut qs: Vec<Vec<Vec<f64>>> = vec![Vec::with_capacity(self.num_steps); seqs.len()];
+        for j in 0..self.num_steps {
+            if j > 0 {
+                // Every sequence's previous draft through the drafter in one pass.
+                let tokens: Vec<u32> = chains.iter().map(|c| c[j]).collect();
+                let mut states: Vec<&mut D::State> = seqs.iter_mut().map(|s| &mut s.draft).collect();
+                self.drafter.push_batch(&mut states, &tokens)?;
             }
-            chains.push(chain);
-            qs.push(q);
+            for (i, seq) in seqs.iter_mut().enumerate() {
+                let probs = seq.params().probabilities(&self.drafter.logits(&seq.draft)?, &histories[i]);
+                let d = seq.sampler.draw(&probs);
+                chains[i].push(d);
+                histories[i].push(d);
+                qs[i].push(probs);
+            }
         }
         self.stats.draft_time += t.elapsed();
 
@@ -205,10 +204,10 @@ impl<D> SpecDecoder<D> {
         let starts: Vec<usize> = seqs.iter().map(|s| s.cache.len).collect();
         let rows = self.target_forward(target, cache, seqs, &chains, LogitRows::All, device)?;
 
-        // 3-4. Acceptance, rollback, drafter update.
-        let mut out = Vec::with_capacity(seqs.len());
+        // 3-4. Acceptance, rollback, then the drafter extended with every sequence's kept rows in one pass.
+        let mut out: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
         let mut row = 0;
-        let mut draft_time = std::time::Duration::ZERO;
+        let mut keep_rows: Vec<i64> = Vec::new();
         for (i, seq) in seqs.iter_mut().enumerate() {
             let chain = &chains[i];
             let k = chain.len() - 1;
@@ -224,16 +223,25 @@ impl<D> SpecDecoder<D> {
             let verdict = verify_chain(&chain[1..], &qs[i], &p, &mut seq.sampler);
             let kept = 1 + verdict.accepted;
             cache.truncate(&mut seq.cache, starts[i] + kept)?;
-            let next = *verdict.tokens.last().expect("a verdict emits at least one token");
-            let t = Instant::now();
-            let features: Vec<Tensor<B, 2>> = rows.captured.iter().map(|c| c.clone().narrow(0, row, kept)).collect();
-            self.drafter.extend(&mut seq.draft, &chain[..kept], next, &features)?;
-            draft_time += t.elapsed();
+            keep_rows.extend((row..row + kept).map(|r| r as i64));
             self.stats.record(k, verdict.accepted);
             seq.tokens.extend_from_slice(&verdict.tokens);
             row += chain.len();
             out.push(verdict.tokens);
         }
+        let t_draft = Instant::now();
+        let inputs: Vec<ExtendInput<'_>> = chains
+            .iter()
+            .zip(&out)
+            .map(|(chain, new)| ExtendInput {
+                processed: &chain[..new.len()],
+                next: *new.last().expect("a verdict emits at least one token"),
+            })
+            .collect();
+        let features = select_rows(&rows.captured, keep_rows, device);
+        let mut states: Vec<&mut D::State> = seqs.iter_mut().map(|s| &mut s.draft).collect();
+        self.drafter.extend_batch(&mut states, &inputs, &features)?;
+        let draft_time = t_draft.elapsed();
         self.stats.verify_time += t.elapsed() - draft_time;
         self.stats.draft_time += draft_time;
         Ok(out)
@@ -278,9 +286,10 @@ impl<D> SpecDecoder<D> {
         };
         let [_, vocab] = logits.dims();
         let logits = crate::eagle3::row_values(logits)?;
-        let mut out = Vec::with_capacity(seqs.len());
+        let mut out: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
+        let mut processed: Vec<Vec<u32>> = Vec::with_capacity(seqs.len());
         let mut row = 0;
-        let mut draft_time = std::time::Duration::ZERO;
+        let mut keep_rows: Vec<i64> = Vec::new();
         for (i, seq) in seqs.iter_mut().enumerate() {
             let tree = &trees[i];
             let params = seq.params();
@@ -299,22 +308,26 @@ impl<D> SpecDecoder<D> {
             }
             let verdict = verify_tree(&tree.tokens, &tree.parents, &p, &mut seq.sampler);
             target.keep_tree_path(cache, &mut seq.cache, starts[i], tree.tokens.len(), &verdict.path)?;
-            let processed: Vec<u32> = verdict.path.iter().map(|&n| tree.tokens[n]).collect();
-            let next = *verdict.tokens.last().expect("a verdict emits at least one token");
-            let t = Instant::now();
-            let rows: Vec<i64> = verdict.path.iter().map(|&n| (row + n) as i64).collect();
-            let rows = Tensor::<B, 1, burn::tensor::Int>::from_data(
-                burn::tensor::TensorData::new(rows, [verdict.path.len()]),
-                device,
-            );
-            let features: Vec<Tensor<B, 2>> = captured.iter().map(|c| c.clone().select(0, rows.clone())).collect();
-            self.drafter.extend(&mut seq.draft, &processed, next, &features)?;
-            draft_time += t.elapsed();
+            processed.push(verdict.path.iter().map(|&n| tree.tokens[n]).collect::<Vec<u32>>());
+            keep_rows.extend(verdict.path.iter().map(|&n| (row + n) as i64));
             self.stats.record(tree.depth(), verdict.path.len() - 1);
             seq.tokens.extend_from_slice(&verdict.tokens);
             row += tree.tokens.len();
             out.push(verdict.tokens);
         }
+        let t_draft = Instant::now();
+        let inputs: Vec<ExtendInput<'_>> = processed
+            .iter()
+            .zip(&out)
+            .map(|(p, new)| ExtendInput {
+                processed: p,
+                next: *new.last().expect("a verdict emits at least one token"),
+            })
+            .collect();
+        let features = select_rows(&captured, keep_rows, device);
+        let mut states: Vec<&mut D::State> = seqs.iter_mut().map(|s| &mut s.draft).collect();
+        self.drafter.extend_batch(&mut states, &inputs, &features)?;
+        let draft_time = t_draft.elapsed();
         self.stats.verify_time += t.elapsed() - draft_time;
         self.stats.draft_time += draft_time;
         Ok(out)
@@ -343,6 +356,13 @@ impl<D> SpecDecoder<D> {
         let logits = crate::eagle3::row_values(logits)?;
         Ok(TargetRows { logits, vocab, captured })
     }
+}
+
+/// Rows `rows` of each captured tensor.
+fn select_rows<B: Backend>(captured: &[Tensor<B, 2>], rows: Vec<i64>, device: &B::Device) -> Vec<Tensor<B, 2>> {
+    let n = rows.len();
+    let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [n]), device);
+    captured.iter().map(|c| c.clone().select(0, idx.clone())).collect()
 }
 
 impl<B: Backend> TargetRows<B> {

@@ -16,6 +16,15 @@ use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
 use crate::eagle3::{Eagle3Drafter, Eagle3State, row_values};
 use crate::error::{Result, SpecError};
 
+/// One sequence's part of [`Drafter::extend_batch`].
+#[derive(Debug, Clone, Copy)]
+pub struct ExtendInput<'a> {
+    /// The tokens the target ran and kept.
+    pub processed: &'a [u32],
+    /// The token after them.
+    pub next: u32,
+}
+
 /// A draft model behind speculative decoding.
 pub trait Drafter<B: Backend> {
     /// Per-sequence state (the drafter's own KV cache and its last outputs).
@@ -39,6 +48,34 @@ pub trait Drafter<B: Backend> {
         next: u32,
         features: &[Tensor<B, 2>],
     ) -> Result<()>;
+
+    /// [`Drafter::extend`] for several sequences at once: `inputs[i]` for `states[i]`, and `features` (one tensor
+    /// per capture id) holding every sequence's rows, sequence after sequence (`inputs[i].processed.len()` rows
+    /// each). The default runs the sequences one by one; drafters that batch override it.
+    fn extend_batch(
+        &mut self,
+        states: &mut [&mut Self::State],
+        inputs: &[ExtendInput<'_>],
+        features: &[Tensor<B, 2>],
+    ) -> Result<()> {
+        let mut row = 0;
+        for (state, input) in states.iter_mut().zip(inputs) {
+            let n = input.processed.len();
+            let rows: Vec<Tensor<B, 2>> = features.iter().map(|f| f.clone().narrow(0, row, n)).collect();
+            self.extend(state, input.processed, input.next, &rows)?;
+            row += n;
+        }
+        Ok(())
+    }
+
+    /// [`Drafter::push`] for several sequences at once (`tokens[i]` for `states[i]`). The default runs them one by
+    /// one; drafters that batch override it.
+    fn push_batch(&mut self, states: &mut [&mut Self::State], tokens: &[u32]) -> Result<()> {
+        for (state, &t) in states.iter_mut().zip(tokens) {
+            self.push(state, t)?;
+        }
+        Ok(())
+    }
 
     /// Logits over the TARGET vocabulary of the next draft position.
     fn logits(&self, state: &Self::State) -> Result<Vec<f32>>;

@@ -35,7 +35,7 @@ use eyrie_model::mlp::Mlp;
 use eyrie_model::quant::Checkpoint;
 use eyrie_model::quant::burn::dense_tensor;
 use eyrie_model::rms_norm::RmsNorm;
-use eyrie_model::rope::RotaryEmbedding;
+use eyrie_model::rope::{RopeTables, RotaryEmbedding};
 
 use crate::config::{AuxConvention, Eagle3Config};
 use crate::error::{Result, SpecError};
@@ -241,34 +241,89 @@ impl<B: Backend> Eagle3Drafter<B> {
 
     /// The decoder layer over `n` new rows of one sequence at positions `state.len..`: token ids `tokens` (target
     /// vocabulary) and hidden states `g` `[n, H]`. Appends their keys/values to `state` and returns the pre-norm
-    /// outputs `[n, H]`.
+    /// outputs `[n, H]`. [`Self::layer_batch`] with one sequence.
     pub fn layer(&self, state: &mut Eagle3State<B>, tokens: &[u32], g: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        self.layer_batch(&mut [state], &[tokens], g)
+    }
+
+    /// The decoder layer over new rows of several sequences at once: sequence `i` brings `tokens[i]` (at its
+    /// positions `states[i].len..`), and `g` `[N, H]` holds every row, sequence after sequence. Projections, norms
+    /// and the MLP run once over all `N` rows; attention runs per sequence over its own cache. Returns `[N, H]`.
+    pub fn layer_batch(
+        &self,
+        states: &mut [&mut Eagle3State<B>],
+        tokens: &[&[u32]],
+        g: Tensor<B, 2>,
+    ) -> Result<Tensor<B, 2>> {
         let c = &self.config;
         let [n, h] = g.dims();
-        if n != tokens.len() || n == 0 {
-            return Err(SpecError::input(format!("{} draft rows for {} tokens", n, tokens.len())));
+        let flat: Vec<u32> = tokens.iter().flat_map(|t| t.iter().copied()).collect();
+        if states.len() != tokens.len() || n != flat.len() || tokens.iter().any(|t| t.is_empty()) {
+            return Err(SpecError::input(format!(
+                "{n} draft rows for {} tokens of {} sequences ({} states; every sequence needs a row)",
+                flat.len(),
+                tokens.len(),
+                states.len()
+            )));
         }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        if let Some(&bad) = flat.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(SpecError::input(format!("token id {bad} is outside the vocabulary (size {})", c.vocab_size)));
         }
         let device = g.device();
         let (nh, nkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-        let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
-        // [n, H]
+        let ids: Vec<i64> = flat.iter().map(|&t| i64::from(t)).collect();
+        // [N, H]
         let emb =
             self.embed_tokens.clone().select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [n]), &device));
         let normed_hidden = self.hidden_norm.forward(g.clone());
         let residual = if c.norm_before_residual { normed_hidden.clone() } else { g };
-        // [n, 2H]
+        // [N, 2H]
         let z = Tensor::cat(vec![self.input_layernorm.forward(emb), normed_hidden], 1);
-        let start = state.len;
-        let tables = self.rope.tables::<B>(start, n, &device);
-        // [n, heads*hd] -> [1, heads, n, hd]
+        // RoPE tables with each row at its own position.
+        let half = self.rope.inv_freq.len();
+        let (mut cos, mut sin) = (Vec::with_capacity(n * half), Vec::with_capacity(n * half));
+        for (state, t) in states.iter().zip(tokens) {
+            let (co, si) = self.rope.host_tables(state.len, t.len());
+            cos.extend(co);
+            sin.extend(si);
+        }
+        let tables = RopeTables {
+            cos: Tensor::from_data(TensorData::new(cos, [n, half]), &device),
+            sin: Tensor::from_data(TensorData::new(sin, [n, half]), &device),
+        };
+        // [N, heads*hd] -> [1, heads, N, hd]
         let q = self.rope.apply(self.q_proj.forward(z.clone()).reshape([1, n, nh, hd]).swap_dims(1, 2), &tables);
         let k = self.rope.apply(self.k_proj.forward(z.clone()).reshape([1, n, nkv, hd]).swap_dims(1, 2), &tables);
         let v = self.v_proj.forward(z).reshape([1, n, nkv, hd]).swap_dims(1, 2);
-        // [nkv, T, hd]
-        let (k, v) = (k.reshape([nkv, n, hd]), v.reshape([nkv, n, hd]));
+        // [heads, N, hd]
+        let (q, k, v) = (q.reshape([nh, n, hd]), k.reshape([nkv, n, hd]), v.reshape([nkv, n, hd]));
+        let mut parts = Vec::with_capacity(states.len());
+        let mut row = 0;
+        for (state, t) in states.iter_mut().zip(tokens) {
+            let len = t.len();
+            parts.push(self.attend(
+                state,
+                q.clone().narrow(1, row, len),
+                k.clone().narrow(1, row, len),
+                v.clone().narrow(1, row, len),
+            ));
+            row += len;
+        }
+        // [N, nh*hd]
+        let attn = Tensor::cat(parts, 0);
+        let hs = residual + self.o_proj.forward(attn);
+        let out = hs.clone() + self.mlp.forward(self.post_attention_layernorm.forward(hs));
+        debug_assert_eq!(out.dims(), [n, h]);
+        Ok(out)
+    }
+
+    /// Appends `k`, `v` `[kv_heads, n, hd]` (post-RoPE) to `state` and attends `q` `[heads, n, hd]` causally over
+    /// its whole cache -> `[n, heads * hd]`.
+    fn attend(&self, state: &mut Eagle3State<B>, q: Tensor<B, 3>, k: Tensor<B, 3>, v: Tensor<B, 3>) -> Tensor<B, 2> {
+        let (nh, nkv, hd) = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim);
+        let [_, n, _] = q.dims();
+        let device = q.device();
+        let start = state.len;
         let k_all = match state.k.take() {
             Some(old) => Tensor::cat(vec![old, k], 1),
             None => k,
@@ -286,7 +341,7 @@ impl<B: Backend> Eagle3Drafter<B> {
         let k_rep = k_all.unsqueeze_dim::<4>(1).repeat_dim(1, group).reshape([nh, total, hd]);
         let v_rep = v_all.unsqueeze_dim::<4>(1).repeat_dim(1, group).reshape([nh, total, hd]);
         // [nh, n, T]
-        let scores = q.reshape([nh, n, hd]).matmul(k_rep.swap_dims(1, 2)).mul_scalar(1.0 / (hd as f64).sqrt());
+        let scores = q.matmul(k_rep.swap_dims(1, 2)).mul_scalar(1.0 / (hd as f64).sqrt());
         // Row i (position start + i) sees keys t <= start + i.
         let mask: Vec<bool> = (0..n).flat_map(|i| (0..total).map(move |t| t > start + i)).collect();
         let mask = Tensor::<B, 2, Bool>::from_data(TensorData::new(mask, [n, total]), &device)
@@ -294,11 +349,7 @@ impl<B: Backend> Eagle3Drafter<B> {
             .expand([nh, n, total]);
         let probs = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 2);
         // [nh, n, hd] -> [n, nh*hd]
-        let attn = probs.matmul(v_rep).swap_dims(0, 1).reshape([n, nh * hd]);
-        let hs = residual + self.o_proj.forward(attn);
-        let out = hs.clone() + self.mlp.forward(self.post_attention_layernorm.forward(hs));
-        debug_assert_eq!(out.dims(), [n, h]);
-        Ok(out)
+        probs.matmul(v_rep).swap_dims(0, 1).reshape([n, nh * hd])
     }
 
     /// Draft-vocabulary logits `[n, draft_vocab]` of pre-norm outputs `[n, H]`.
@@ -318,8 +369,19 @@ impl<B: Backend> Eagle3Drafter<B> {
     /// Runs rows that come from the target, after dropping the state's draft-only rows: `features` `[n, 3 Ht]`
     /// (captured at positions `state.committed()..`) paired with `tokens`, the token after each of those positions.
     /// Returns the pre-norm outputs `[n, H]`; the last row's logits become the first draft distribution
-    /// ([`Eagle3State::next_logits`]).
+    /// ([`Eagle3State::next_logits`]). [`Self::extend_batch`] with one sequence.
     pub fn extend(&self, state: &mut Eagle3State<B>, tokens: &[u32], features: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        self.extend_batch(&mut [state], &[tokens], features)
+    }
+
+    /// [`Self::extend`] for several sequences in one pass: `features` holds every sequence's rows, sequence after
+    /// sequence (`tokens[i].len()` rows each).
+    pub fn extend_batch(
+        &self,
+        states: &mut [&mut Eagle3State<B>],
+        tokens: &[&[u32]],
+        features: Tensor<B, 2>,
+    ) -> Result<Tensor<B, 2>> {
         let [n, width] = features.dims();
         if width != 3 * self.config.target_hidden_size {
             return Err(SpecError::input(format!(
@@ -327,33 +389,68 @@ impl<B: Backend> Eagle3Drafter<B> {
                 self.config.target_hidden_size
             )));
         }
-        if n != tokens.len() {
-            return Err(SpecError::input(format!("{n} feature rows for {} tokens", tokens.len())));
+        if n != tokens.iter().map(|t| t.len()).sum::<usize>() {
+            return Err(SpecError::input(format!(
+                "{n} feature rows for {} tokens",
+                tokens.iter().map(|t| t.len()).sum::<usize>()
+            )));
         }
-        state.truncate(state.committed);
-        let out = self.layer(state, tokens, self.fuse(features))?;
-        state.committed = state.len;
-        self.remember_last(state, out.clone())?;
+        for state in states.iter_mut() {
+            state.truncate(state.committed);
+        }
+        let out = self.layer_batch(states, tokens, self.fuse(features))?;
+        for state in states.iter_mut() {
+            state.committed = state.len;
+        }
+        self.remember_last(states, tokens.iter().map(|t| t.len()), out.clone())?;
         Ok(out)
     }
 
     /// One chain step: feeds `token` (the draft just chosen, target vocabulary) with the drafter's own last
     /// pre-norm state at the next position; afterwards [`Eagle3State::next_logits`] holds the next draft
-    /// distribution. The row is draft-only: the next [`Self::extend`] drops it.
+    /// distribution. The row is draft-only: the next [`Self::extend`] drops it. [`Self::step_batch`] with one
+    /// sequence.
     pub fn step(&self, state: &mut Eagle3State<B>, token: u32) -> Result<()> {
-        let Some(g) = state.last_hidden.clone() else {
-            return Err(SpecError::input("a draft step needs a preceding extend"));
-        };
-        let out = self.layer(state, &[token], g)?;
-        self.remember_last(state, out)
+        self.step_batch(&mut [state], &[token])
     }
 
-    fn remember_last(&self, state: &mut Eagle3State<B>, out: Tensor<B, 2>) -> Result<()> {
-        let [n, _] = out.dims();
-        let last = out.narrow(0, n - 1, 1);
+    /// One chain step of several sequences in one pass (`tokens[i]` for `states[i]`).
+    pub fn step_batch(&self, states: &mut [&mut Eagle3State<B>], tokens: &[u32]) -> Result<()> {
+        let mut g = Vec::with_capacity(states.len());
+        for state in states.iter() {
+            g.push(state.last_hidden.clone().ok_or_else(|| SpecError::input("a draft step needs a preceding extend"))?);
+        }
+        if g.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<&[u32]> = tokens.chunks(1).collect();
+        let out = self.layer_batch(states, &rows, Tensor::cat(g, 0))?;
+        self.remember_last(states, std::iter::repeat_n(1, tokens.len()), out)
+    }
+
+    /// Keeps each sequence's last output row and its target-vocabulary logits (one `lm_head` pass for all).
+    fn remember_last(
+        &self,
+        states: &mut [&mut Eagle3State<B>],
+        lens: impl Iterator<Item = usize>,
+        out: Tensor<B, 2>,
+    ) -> Result<()> {
+        let mut last = Vec::with_capacity(states.len());
+        let mut row = 0;
+        for len in lens {
+            row += len;
+            last.push((row - 1) as i64);
+        }
+        let s = last.len();
+        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(last, [s]), &out.device());
+        // [S, H]
+        let last = out.select(0, idx);
         let logits = row_values(self.draft_logits(last.clone()))?;
-        state.next_logits = Some(self.to_target_logits(&logits));
-        state.last_hidden = Some(last);
+        let dv = self.config.draft_vocab_size;
+        for (i, state) in states.iter_mut().enumerate() {
+            state.next_logits = Some(self.to_target_logits(&logits[i * dv..(i + 1) * dv]));
+            state.last_hidden = Some(last.clone().narrow(0, i, 1));
+        }
         Ok(())
     }
 }

@@ -48,7 +48,7 @@ pub mod verify;
 pub use check::{ConventionCheck, best_convention, check_conventions};
 pub use config::{AuxConvention, DraftFormat, Eagle3Config};
 pub use decoder::{SpecDecoder, SpecSequence};
-pub use drafter::{Drafter, SelfDrafter};
+pub use drafter::{Drafter, ExtendInput, SelfDrafter};
 pub use eagle3::{Eagle3Drafter, Eagle3State};
 pub use error::{Result, SpecError};
 pub use stats::AcceptanceStats;

@@ -110,3 +110,34 @@ fn output_of_layer_convention_shifts_ids_and_rejects_the_last_layer() {
     let err = Eagle3Drafter::load(&dir, &target, AuxConvention::OutputOfLayer, &device).unwrap_err().to_string();
     assert!(err.contains("eagle_aux_hidden_state_layer_ids") && err.contains("aux layer id 2"), "{err}");
 }
+
+#[test]
+fn batched_extend_and_steps_equal_one_by_one() {
+    let device = Default::default();
+    let target = DeepseekV3::<Flex>::load(fixture("model/yarn_qlora"), &device).unwrap();
+    let reference = SafetensorsFile::open(fixture("spec/reference.safetensors")).unwrap();
+    let drafter =
+        Eagle3Drafter::load(fixture("spec/speculators"), &target, AuxConvention::InputOfLayer, &device).unwrap();
+    let (t1, f1) = (ids(&reference, "speculators.tokens"), matrix(&reference, "speculators.features"));
+    let (t2, f2) = (ids(&reference, "speculators.tokens2"), matrix(&reference, "speculators.features2"));
+    let (mut a, mut b) = (drafter.new_state(), drafter.new_state());
+    let (mut a1, mut b1) = (drafter.new_state(), drafter.new_state());
+    let out = drafter
+        .extend_batch(&mut [&mut a, &mut b], &[&t1, &t2], burn::tensor::Tensor::cat(vec![f1.clone(), f2.clone()], 0))
+        .unwrap();
+    let want =
+        [host(drafter.extend(&mut a1, &t1, f1).unwrap()), host(drafter.extend(&mut b1, &t2, f2).unwrap())].concat();
+    assert!(scaled_error(&host(out), &want) <= 1e-6);
+    for step in 0..2u32 {
+        drafter.step_batch(&mut [&mut a, &mut b], &[10 + step, 20 + step]).unwrap();
+        drafter.step(&mut a1, 10 + step).unwrap();
+        drafter.step(&mut b1, 20 + step).unwrap();
+        for (x, y) in [(&a, &a1), (&b, &b1)] {
+            // Only the draft vocabulary's entries are finite (the rest are -inf in both).
+            let finite = |v: &[f32]| v.iter().copied().filter(|l| l.is_finite()).collect::<Vec<f32>>();
+            let (got, want) = (finite(x.next_logits().unwrap()), finite(y.next_logits().unwrap()));
+            assert_eq!(got.len(), 64);
+            assert!(scaled_error(&got, &want) <= 1e-6, "step {step}");
+        }
+    }
+}
