@@ -324,18 +324,10 @@ impl<B: Backend> Eagle3Drafter<B> {
         let [_, n, _] = q.dims();
         let device = q.device();
         let start = state.len;
-        let k_all = match state.k.take() {
-            Some(old) => Tensor::cat(vec![old, k], 1),
-            None => k,
-        };
-        let v_all = match state.v.take() {
-            Some(old) => Tensor::cat(vec![old, v], 1),
-            None => v,
-        };
-        state.k = Some(k_all.clone());
-        state.v = Some(v_all.clone());
-        state.len += n;
+        state.append(k, v);
         let total = state.len;
+        let k_all = state.k.clone().expect("appended").narrow(1, 0, total);
+        let v_all = state.v.clone().expect("appended").narrow(1, 0, total);
         // GQA: kv head j serves query heads j*g..(j+1)*g, as HF's repeat_kv. [nh, T, hd]
         let group = nh / nkv;
         let k_rep = k_all.unsqueeze_dim::<4>(1).repeat_dim(1, group).reshape([nh, total, hd]);
@@ -455,10 +447,12 @@ impl<B: Backend> Eagle3Drafter<B> {
     }
 }
 
-/// Per-sequence drafter state: its own KV cache (post-RoPE keys and values, contiguous) and the last output.
+/// Per-sequence drafter state: its own KV cache (post-RoPE keys and values in contiguous buffers whose capacity
+/// doubles when full, so appending is amortized O(new rows) and rollback only moves the length) and the last
+/// output.
 #[derive(Debug, Clone)]
 pub struct Eagle3State<B: Backend> {
-    /// `[kv_heads, len, head_dim]`.
+    /// `[kv_heads, capacity, head_dim]`; rows `0..len` are valid.
     k: Option<Tensor<B, 3>>,
     v: Option<Tensor<B, 3>>,
     len: usize,
@@ -493,20 +487,37 @@ impl<B: Backend> Eagle3State<B> {
         self.last_hidden.as_ref()
     }
 
-    /// Keeps the first `len` cached rows.
+    /// Keeps the first `len` cached rows (the buffers stay allocated).
     pub fn truncate(&mut self, len: usize) {
         if len >= self.len {
             return;
         }
-        if len == 0 {
-            self.k = None;
-            self.v = None;
-        } else {
-            self.k = self.k.take().map(|k| k.narrow(1, 0, len));
-            self.v = self.v.take().map(|v| v.narrow(1, 0, len));
-        }
         self.len = len;
         self.committed = self.committed.min(len);
+    }
+
+    /// Appends `k`, `v` `[kv_heads, n, head_dim]` at rows `len..len + n`, growing the buffers when needed.
+    fn append(&mut self, k: Tensor<B, 3>, v: Tensor<B, 3>) {
+        let [kv, n, hd] = k.dims();
+        let (len, need) = (self.len, self.len + n);
+        let cap = self.k.as_ref().map_or(0, |t| t.dims()[1]);
+        if need > cap {
+            let new_cap = need.max(2 * cap).max(64);
+            let device = k.device();
+            let grow = |old: Option<Tensor<B, 3>>| {
+                let fresh = Tensor::<B, 3>::zeros([kv, new_cap, hd], &device);
+                match old {
+                    Some(o) if len > 0 => fresh.slice_assign([0..kv, 0..len, 0..hd], o.narrow(1, 0, len)),
+                    _ => fresh,
+                }
+            };
+            self.k = Some(grow(self.k.take()));
+            self.v = Some(grow(self.v.take()));
+        }
+        let range = [0..kv, len..need, 0..hd];
+        self.k = self.k.take().map(|t| t.slice_assign(range.clone(), k));
+        self.v = self.v.take().map(|t| t.slice_assign(range, v));
+        self.len = need;
     }
 }
 
