@@ -122,8 +122,9 @@ impl<D> SpecDecoder<D> {
         self.drafter.release(seq.draft);
     }
 
-    /// Runs the prompts of new sequences (empty caches) through the target in one batched forward, samples each
-    /// one's first token (appended to its `tokens` and returned) and primes the drafter.
+    /// Runs the rest of each new sequence's prompt through the target in one batched forward, samples each one's
+    /// first token (appended to its `tokens` and returned) and primes the drafter. [`Self::prefill_chunks`] without
+    /// a chunk limit.
     pub fn prefill<B: Backend>(
         &mut self,
         target: &DeepseekV3<B>,
@@ -134,22 +135,63 @@ impl<D> SpecDecoder<D> {
     where
         D: Drafter<B>,
     {
-        if seqs.iter().any(|s| s.cache.len != 0 || s.tokens.len() != s.prompt_len) {
-            return Err(SpecError::input("prefill takes new sequences (empty cache, no generated tokens)"));
+        let limits = vec![usize::MAX; seqs.len()];
+        let first = self.prefill_chunks(target, cache, seqs, &limits, device)?;
+        Ok(first.into_iter().map(|t| t.expect("an unlimited chunk finishes the prompt")).collect())
+    }
+
+    /// One chunk of prefill for sequences still in their prompt: sequence `i` runs its next
+    /// `min(max_tokens[i], prompt left)` prompt tokens (from `cache.len`, which may start past 0 when the prompt's
+    /// prefix came from the prefix cache: the drafter then only sees the part run here, which can lower
+    /// acceptance but never changes the output) in one batched target forward, and the drafter takes their
+    /// captured states. A sequence whose prompt this chunk finishes gets its first token sampled (appended to its
+    /// `tokens`, returned as `Some`); the others return `None`.
+    pub fn prefill_chunks<B: Backend>(
+        &mut self,
+        target: &DeepseekV3<B>,
+        cache: &mut PagedMlaCache<B>,
+        seqs: &mut [&mut SpecSequence<D::State>],
+        max_tokens: &[usize],
+        device: &B::Device,
+    ) -> Result<Vec<Option<u32>>>
+    where
+        D: Drafter<B>,
+    {
+        if max_tokens.len() != seqs.len() || max_tokens.contains(&0) {
+            return Err(SpecError::input("prefill needs a positive chunk limit per sequence"));
         }
-        let prompts: Vec<Vec<u32>> = seqs.iter().map(|s| s.tokens.clone()).collect();
-        let rows = self.target_forward(target, cache, seqs, &prompts, LogitRows::Last, device)?;
+        if seqs.iter().any(|s| s.tokens.len() != s.prompt_len || s.cache.len >= s.prompt_len) {
+            return Err(SpecError::input(
+                "prefill takes sequences still in their prompt (no generated token, part of the prompt not cached)",
+            ));
+        }
+        let chunks: Vec<Vec<u32>> = seqs
+            .iter()
+            .zip(max_tokens)
+            .map(|(s, &m)| {
+                let end = s.prompt_len.min(s.cache.len.saturating_add(m));
+                s.tokens[s.cache.len..end].to_vec()
+            })
+            .collect();
+        let rows = self.target_forward(target, cache, seqs, &chunks, LogitRows::Last, device)?;
         let mut first = Vec::with_capacity(seqs.len());
+        let mut nexts = Vec::with_capacity(seqs.len());
         for (i, seq) in seqs.iter_mut().enumerate() {
-            let probs = seq.params().probabilities(rows.row(i), &[]);
-            let token = seq.sampler.draw(&probs);
-            seq.tokens.push(token);
-            first.push(token);
+            if seq.cache.len == seq.prompt_len {
+                let probs = seq.params().probabilities(rows.row(i), &[]);
+                let token = seq.sampler.draw(&probs);
+                seq.tokens.push(token);
+                first.push(Some(token));
+                nexts.push(token);
+            } else {
+                first.push(None);
+                nexts.push(seq.tokens[seq.cache.len]);
+            }
         }
-        // The captured rows are every prompt token, prompt after prompt: what the drafter takes.
+        // The captured rows are every chunk token, chunk after chunk: what the drafter takes.
         let t = Instant::now();
         let inputs: Vec<ExtendInput<'_>> =
-            prompts.iter().zip(&first).map(|(p, &next)| ExtendInput { processed: p, next }).collect();
+            chunks.iter().zip(&nexts).map(|(c, &next)| ExtendInput { processed: c, next }).collect();
         let mut states: Vec<&mut D::State> = seqs.iter_mut().map(|s| &mut s.draft).collect();
         self.drafter.extend_batch(&mut states, &inputs, &rows.captured)?;
         self.stats.draft_time += t.elapsed();

@@ -264,3 +264,47 @@ fn tree_drafting_output_equals_plain_greedy() {
     println!("spoiled tree: {}", stats.summary());
     assert!(stats.accepted > 0 && stats.accepted < stats.drafted, "{}", stats.summary());
 }
+
+#[test]
+fn chunked_and_prefix_cached_prefills_keep_greedy_output() {
+    let device = Default::default();
+    let target = DeepseekV3::<Flex>::load(fixture("model/yarn_qlora"), &device).unwrap();
+    let convention = DraftFormat::SpecForge.default_convention();
+    let drafter = Eagle3Drafter::load(fixture("spec/specforge"), &target, convention, &device).unwrap();
+    let mut dec = SpecDecoder::new(drafter, 3);
+    let prompt: Vec<u32> = vec![1, 17, 200, 45, 99, 3, 128, 7, 9];
+    let want = plain_greedy(&target, &prompt, NEW_TOKENS);
+    let mut cache = PagedMlaCache::new(&target.config, 64, 4, &device).unwrap();
+
+    // The whole prompt at once, then in chunks of 4: the same tokens and the same drafter (same acceptance).
+    let mut runs = Vec::new();
+    for chunk in [usize::MAX, 4] {
+        let mut seq = dec.new_sequence(&prompt, SamplingParams::default()).unwrap();
+        let mut first = None;
+        while first.is_none() {
+            first = dec.prefill_chunks(&target, &mut cache, &mut [&mut seq], &[chunk], &device).unwrap()[0];
+        }
+        while seq.generated().len() < NEW_TOKENS {
+            dec.step(&target, &mut cache, &mut [&mut seq], &device).unwrap();
+        }
+        assert_eq!(&seq.generated()[..NEW_TOKENS], &want[..], "chunk {chunk}");
+        runs.push(dec.take_stats());
+        dec.release(&mut cache, seq);
+    }
+    assert_eq!((runs[0].steps, runs[0].accepted), (runs[1].steps, runs[1].accepted));
+
+    // A prompt whose first 8 tokens are in the prefix cache: the target skips them, the drafter never sees them.
+    let mut seq = dec.new_sequence(&prompt, SamplingParams::default()).unwrap();
+    dec.prefill(&target, &mut cache, &mut [&mut seq], &device).unwrap();
+    cache.register_prefix(&seq.cache, &seq.tokens);
+    dec.release(&mut cache, seq);
+    let mut seq = dec.new_sequence(&prompt, SamplingParams::default()).unwrap();
+    seq.cache = cache.start_with_prefix(&prompt);
+    assert_eq!(seq.cache.len, 8);
+    dec.prefill(&target, &mut cache, &mut [&mut seq], &device).unwrap();
+    while seq.generated().len() < NEW_TOKENS {
+        dec.step(&target, &mut cache, &mut [&mut seq], &device).unwrap();
+    }
+    assert_eq!(&seq.generated()[..NEW_TOKENS], &want[..]);
+    dec.release(&mut cache, seq);
+}
