@@ -333,12 +333,16 @@ impl ModelConfig {
         } else {
             (json.clone(), "", "")
         };
-        let raw: DeepseekV3Config = serde_json::from_value(text.clone()).map_err(|e| {
-            let msg = e.to_string();
+        let raw: DeepseekV3Config = serde_path_to_error::deserialize(text.clone()).map_err(|e| {
+            let at = e.path().to_string();
+            let msg = e.into_inner().to_string();
             // serde names a missing field as "missing field `x`".
             match msg.strip_prefix("missing field `").and_then(|r| r.split('`').next()) {
                 Some(f) => ModelError::MissingField { path: path.to_path_buf(), field: format!("{ctx}{f}") },
-                None => json_err(path, Some(ctx.trim_end_matches('.')).filter(|s| !s.is_empty()), msg),
+                None => {
+                    let field = if at == "." { ctx.trim_end_matches('.').to_string() } else { format!("{ctx}{at}") };
+                    json_err(path, Some(field.as_str()).filter(|s| !s.is_empty()), msg)
+                }
             }
         })?;
         Self::validate(raw, json, path, ctx, weight_prefix)
