@@ -13,7 +13,7 @@ use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 /// 16-byte vectors: four packed words, or four f32 activations.
 const VEC: usize = 4;
 
-/// Launch shape of the fused MoE (kernel specialisations; [`MoeConfig::default`] is the tuned one).
+/// Launch shape of the fused MoE (kernel specialisations; [`MoeConfig::for_tokens`] gives the tuned one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MoeConfig {
     /// Warps per block.
@@ -26,13 +26,27 @@ pub struct MoeConfig {
     pub rows_at_once_2: usize,
     /// Largest tokens per pass (1, 2 or 4): experts with more tokens are handled in several passes.
     pub max_tb: usize,
-    /// Start loading each warp's first rows before staging the activations (overlaps the two latencies).
+    /// Start loading each warp's first rows before staging the activations; measured slower on the H200 except at
+    /// 128 tokens (more registers held across the staging).
     pub prefetch: bool,
 }
 
 impl Default for MoeConfig {
     fn default() -> Self {
-        Self { warps: 8, rows_per_warp_13: 2, rows_per_warp_2: 2, rows_at_once_2: 4, max_tb: 4, prefetch: true }
+        Self { warps: 8, rows_per_warp_13: 2, rows_per_warp_2: 2, rows_at_once_2: 4, max_tb: 4, prefetch: false }
+    }
+}
+
+impl MoeConfig {
+    /// The fastest launch shape measured for `m` tokens at Kimi-K2 shapes on the H200 (`bench/kernels.json`).
+    pub fn for_tokens(m: usize) -> Self {
+        let d = Self::default();
+        match m {
+            0 | 1 => Self { warps: 16, rows_per_warp_13: 1, rows_per_warp_2: 1, ..d },
+            2..=16 => d,
+            17..=64 => Self { rows_per_warp_2: 4, rows_at_once_2: 2, ..d },
+            _ => Self { rows_per_warp_2: 4, rows_at_once_2: 2, max_tb: 2, prefetch: true, ..d },
+        }
     }
 }
 
@@ -135,7 +149,7 @@ pub fn moe_forward<R: Runtime>(
     routing: &GpuRouting,
     out: &Handle,
 ) {
-    moe_forward_with(client, experts, x, routing, out, &MoeConfig::default(), Stages::All);
+    moe_forward_with(client, experts, x, routing, out, &MoeConfig::for_tokens(routing.m), Stages::All);
 }
 
 /// [`moe_forward`] with an explicit launch shape, or only some of its launches (benchmarks).
