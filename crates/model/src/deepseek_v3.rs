@@ -23,7 +23,7 @@ use crate::mlp::Mlp;
 use crate::moe::{Moe, RouterParams};
 use crate::rms_norm::RmsNorm;
 use crate::rope::{RopeTables, RotaryEmbedding};
-use crate::weights::WeightLoader;
+use crate::weights::{LoadProgress, WeightLoader};
 
 /// The feed-forward half of a decoder layer.
 #[derive(Debug, Clone)]
@@ -141,8 +141,23 @@ impl<B: Backend> DeepseekV3<B> {
     /// Builds the model from an open checkpoint; fails if any checkpoint tensor is left unused (see
     /// [`crate::weights`]).
     pub fn from_checkpoint(config: ModelConfig, ckpt: &Checkpoint, device: &B::Device) -> Result<Self> {
-        let mut w = WeightLoader::new(ckpt, &config)?;
-        let c = &config;
+        Self::build(&config, WeightLoader::new(ckpt, &config)?, device)
+    }
+
+    /// [`Self::load`] reporting progress (tensors, bytes, elapsed; [`LoadProgress::eta`]) after each tensor.
+    pub fn load_with_progress(
+        dir: impl AsRef<Path>,
+        device: &B::Device,
+        mut progress: impl FnMut(&LoadProgress),
+    ) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir.as_ref())?;
+        let ckpt = Checkpoint::open(dir.as_ref())?;
+        let loader = WeightLoader::new(&ckpt, &config)?.with_progress(&mut progress);
+        Self::build(&config, loader, device)
+    }
+
+    fn build(config: &ModelConfig, mut w: WeightLoader<'_>, device: &B::Device) -> Result<Self> {
+        let c = config;
         let d = c.hidden_size;
         let embed_tokens = w.tensor::<B, 2>("model.embed_tokens.weight", [c.vocab_size, d], device)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
@@ -157,7 +172,7 @@ impl<B: Backend> DeepseekV3<B> {
         };
         w.finish()?;
         let rope = RotaryEmbedding::new(c);
-        Ok(Self { config, embed_tokens, layers, norm, lm_head, rope })
+        Ok(Self { config: config.clone(), embed_tokens, layers, norm, lm_head, rope })
     }
 
     /// Token ids as a `[batch, seq]` tensor, checked against the vocabulary (rows must be non-empty and of equal

@@ -30,19 +30,64 @@ pub fn skip_reason(config: &ModelConfig, name: &str) -> Option<&'static str> {
 }
 
 /// Reads tensors for the model from one checkpoint and records which were used.
-#[derive(Debug)]
+/// How far a model load has got, reported after each checkpoint tensor the model takes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadProgress {
+    /// Tensors taken so far and in all (skipped tensors excluded).
+    pub tensors_done: usize,
+    pub tensors_total: usize,
+    /// Checkpoint bytes of those tensors.
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    /// Since the load started.
+    pub elapsed: std::time::Duration,
+}
+
+impl LoadProgress {
+    /// The remaining time at the rate so far (by bytes), once some bytes are done.
+    pub fn eta(&self) -> Option<std::time::Duration> {
+        (self.bytes_done > 0).then(|| {
+            let left = self.bytes_total.saturating_sub(self.bytes_done) as f64;
+            std::time::Duration::from_secs_f64(self.elapsed.as_secs_f64() * left / self.bytes_done as f64)
+        })
+    }
+}
+
+/// A callback receiving [`LoadProgress`].
+pub type ProgressFn<'a> = dyn FnMut(&LoadProgress) + 'a;
+
 pub struct WeightLoader<'a> {
     ckpt: &'a Checkpoint,
     config: &'a ModelConfig,
     plan: Option<QuantPlan>,
     used: BTreeSet<String>,
+    progress: Option<(&'a mut ProgressFn<'a>, LoadProgress, std::time::Instant)>,
+}
+
+impl std::fmt::Debug for WeightLoader<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightLoader").field("checkpoint", &self.ckpt.root()).field("used", &self.used.len()).finish()
+    }
 }
 
 impl<'a> WeightLoader<'a> {
     /// A loader for `ckpt` described by `config` (its quantization config, if any, gives INT4 group sizes).
     pub fn new(ckpt: &'a Checkpoint, config: &'a ModelConfig) -> Result<Self> {
         let plan = config.quantization()?.map(|q| q.plan()).transpose()?;
-        Ok(Self { ckpt, config, plan, used: BTreeSet::new() })
+        Ok(Self { ckpt, config, plan, used: BTreeSet::new(), progress: None })
+    }
+
+    /// Reports progress to `callback` after each tensor taken.
+    pub fn with_progress(mut self, callback: &'a mut ProgressFn<'a>) -> Self {
+        let (mut tensors_total, mut bytes_total) = (0, 0);
+        for name in self.ckpt.names().filter(|n| skip_reason(self.config, n).is_none()) {
+            tensors_total += 1;
+            bytes_total += self.ckpt.info(name).map_or(0, |i| i.nbytes());
+        }
+        let start =
+            LoadProgress { tensors_done: 0, tensors_total, bytes_done: 0, bytes_total, elapsed: Default::default() };
+        self.progress = Some((callback, start, std::time::Instant::now()));
+        self
     }
 
     fn missing(&self, name: String) -> ModelError {
@@ -59,6 +104,12 @@ impl<'a> WeightLoader<'a> {
                 tensor: name.to_owned(),
                 message: "requested twice by the model (loader bug)".into(),
             });
+        }
+        if let Some((callback, p, started)) = &mut self.progress {
+            p.tensors_done += 1;
+            p.bytes_done += self.ckpt.info(name).map_or(0, |i| i.nbytes());
+            p.elapsed = started.elapsed();
+            callback(p);
         }
         Ok(())
     }

@@ -187,8 +187,24 @@ fn launch<B: Backend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Devic
     let dir = dir.to_path_buf();
     let engine_thread = engine::spawn::<B, _>(
         move || {
-            let model = DeepseekV3::<B>::load(&dir, &device)
-                .with_context(|| format!("loading the model in {}", dir.display()))?;
+            let mut last = Instant::now();
+            let model = DeepseekV3::<B>::load_with_progress(&dir, &device, |p| {
+                if p.tensors_done == p.tensors_total || last.elapsed() >= Duration::from_secs(1) {
+                    last = Instant::now();
+                    let gb = |b: u64| b as f64 / 1e9;
+                    let eta = p.eta().map_or_else(String::new, |d| format!(", ETA {:.0} s", d.as_secs_f64()));
+                    eprintln!(
+                        "eyrie: loading {:.0}%: {:.2} of {:.2} GB, {} of {} tensors, {:.1} s{eta}",
+                        100.0 * p.bytes_done as f64 / p.bytes_total.max(1) as f64,
+                        gb(p.bytes_done),
+                        gb(p.bytes_total),
+                        p.tensors_done,
+                        p.tensors_total,
+                        p.elapsed.as_secs_f64()
+                    );
+                }
+            })
+            .with_context(|| format!("loading the model in {}", dir.display()))?;
             Engine::new(model, device, engine_config, eos, metrics)
         },
         rx,
