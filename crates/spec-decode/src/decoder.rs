@@ -140,8 +140,9 @@ impl<D> SpecDecoder<D> {
         Ok(first.into_iter().map(|t| t.expect("an unlimited chunk finishes the prompt")).collect())
     }
 
-    /// One chunk of prefill for sequences still in their prompt: sequence `i` runs its next
-    /// `min(max_tokens[i], prompt left)` prompt tokens (from `cache.len`, which may start past 0 when the prompt's
+    /// One chunk of prefill: sequence `i` runs its next `min(max_tokens[i], tokens left)` tokens not yet in the
+    /// target cache (its prompt; or, for a sequence resumed after preemption, its prompt and generated tokens, the
+    /// penalties still counting only the generated ones) (from `cache.len`, which may start past 0 when the prompt's
     /// prefix came from the prefix cache: the drafter then only sees the part run here, which can lower
     /// acceptance but never changes the output) in one batched target forward, and the drafter takes their
     /// captured states. A sequence whose prompt this chunk finishes gets its first token sampled (appended to its
@@ -160,16 +161,14 @@ impl<D> SpecDecoder<D> {
         if max_tokens.len() != seqs.len() || max_tokens.contains(&0) {
             return Err(SpecError::input("prefill needs a positive chunk limit per sequence"));
         }
-        if seqs.iter().any(|s| s.tokens.len() != s.prompt_len || s.cache.len >= s.prompt_len) {
-            return Err(SpecError::input(
-                "prefill takes sequences still in their prompt (no generated token, part of the prompt not cached)",
-            ));
+        if seqs.iter().any(|s| s.cache.len >= s.tokens.len()) {
+            return Err(SpecError::input("prefill takes sequences with tokens the target has not run yet"));
         }
         let chunks: Vec<Vec<u32>> = seqs
             .iter()
             .zip(max_tokens)
             .map(|(s, &m)| {
-                let end = s.prompt_len.min(s.cache.len.saturating_add(m));
+                let end = s.tokens.len().min(s.cache.len.saturating_add(m));
                 s.tokens[s.cache.len..end].to_vec()
             })
             .collect();
@@ -177,8 +176,8 @@ impl<D> SpecDecoder<D> {
         let mut first = Vec::with_capacity(seqs.len());
         let mut nexts = Vec::with_capacity(seqs.len());
         for (i, seq) in seqs.iter_mut().enumerate() {
-            if seq.cache.len == seq.prompt_len {
-                let probs = seq.params().probabilities(rows.row(i), &[]);
+            if seq.cache.len == seq.tokens.len() {
+                let probs = seq.params().probabilities(rows.row(i), seq.generated());
                 let token = seq.sampler.draw(&probs);
                 seq.tokens.push(token);
                 first.push(Some(token));

@@ -50,6 +50,8 @@ pub struct AppState {
     pub max_in_flight: usize,
     pub in_flight: AtomicUsize,
     pub created: u64,
+    /// Speculative decoding is on (log-probabilities are then not reported).
+    pub speculative: bool,
 }
 
 type Shared = Arc<AppState>;
@@ -231,14 +233,20 @@ fn submit(state: &Shared, prompt: Vec<u32>, params: EngineParams) -> Result<InFl
     Ok(InFlight { events: rx, guard })
 }
 
-fn engine_params(p: &GenerationParams, max_tokens: usize) -> EngineParams {
-    EngineParams {
+fn engine_params(state: &AppState, p: &GenerationParams, max_tokens: usize) -> Result<EngineParams, ApiError> {
+    if state.speculative && p.logprobs.is_some() {
+        return Err(ApiError::invalid(
+            "logprobs are not reported while the server runs speculative decoding",
+            Some("logprobs"),
+        ));
+    }
+    Ok(EngineParams {
         sampling: p.sampling,
         max_tokens,
         stop_token_ids: p.stop_token_ids.clone(),
         ignore_eos: p.ignore_eos,
         logprobs: p.logprobs,
-    }
+    })
 }
 
 fn finish_reason(reason: FinishReason, stopped_by_string: bool, tool_calls: bool) -> &'static str {
@@ -360,7 +368,7 @@ async fn chat_inner(state: Shared, body: Result<Bytes, BytesRejection>) -> Resul
     let starts_in_reasoning = rendered.trim_end().ends_with("<think>");
     let parser =
         OutputParser::new(state.tokenizer.clone(), starts_in_reasoning, true, tools.is_some(), params.stop.clone());
-    let flight = submit(&state, prompt, engine_params(&params, max_tokens))?;
+    let flight = submit(&state, prompt, engine_params(&state, &params, max_tokens)?)?;
     let id = format!("chatcmpl-{}", uuid_like());
     if params.stream {
         Ok(stream_chat(state, flight, parser, params, id).into_response())
@@ -555,7 +563,7 @@ async fn completions_inner(state: Shared, body: Result<Bytes, BytesRejection>) -
             e
         })?;
     let parser = OutputParser::new(state.tokenizer.clone(), false, false, false, params.stop.clone());
-    let flight = submit(&state, prompt, engine_params(&params, max_tokens))?;
+    let flight = submit(&state, prompt, engine_params(&state, &params, max_tokens)?)?;
     let id = format!("cmpl-{}", uuid_like());
     if params.stream {
         Ok(stream_completion(state, flight, parser, params, id).into_response())

@@ -12,7 +12,11 @@
 //! - when a step needs more blocks than are free, the most recently admitted sequence is preempted: its pages are
 //!   freed and it re-enters the queue front with its generated tokens, to be recomputed (nothing already streamed
 //!   changes: sampling resumes with the same generator state);
-//! - a panic inside a step fails only that step's requests (their pages are freed); the engine keeps serving.
+//! - a panic inside a step fails only that step's requests (their pages are freed); the engine keeps serving;
+//! - with an EAGLE-3 drafter (`--speculative-*`), decode rows run through [`SpecDecoder::step`] (draft, one target
+//!   forward over every sequence's draft, lossless acceptance, KV rollback) and prompts through
+//!   [`SpecDecoder::prefill_chunks`]; a step may emit several tokens per sequence, each checked for stop conditions
+//!   in order (tokens past a stop are dropped), and a preempted sequence resumes by recomputing prompt and output.
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -26,6 +30,7 @@ use eyrie_model::DeepseekV3;
 use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
 use eyrie_model::sampling::{Sampler, SamplingParams, log_softmax, top_n};
+use eyrie_spec_decode::{Eagle3Drafter, Eagle3State, SpecDecoder, SpecSequence};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::{EngineGauges, Metrics};
@@ -111,8 +116,12 @@ pub enum Message {
     },
 }
 
+/// The drafter-backed decoder of speculative mode.
+pub type Speculator<B> = SpecDecoder<Eagle3Drafter<B>>;
+
 /// One admitted or queued sequence.
-struct Seq {
+struct Seq<B: Backend> {
+    /// Prompt then generated tokens (while a speculative sequence runs, its `spec.tokens` are current instead).
     tokens: Vec<u32>,
     prompt_len: usize,
     cache: Option<SequenceCache>,
@@ -123,15 +132,37 @@ struct Seq {
     arrived: Instant,
     last_token: Option<Instant>,
     cached_tokens: usize,
+    /// Tokens sent to the client.
+    emitted: usize,
+    /// Prompt tokens counted in the metrics once.
+    counted: bool,
+    /// Speculative mode, while admitted: tokens, cache and sampler live here.
+    spec: Option<SpecSequence<Eagle3State<B>>>,
+    /// Speculative mode: prefilled since admission (the drafter is primed).
+    primed: bool,
 }
 
-impl Seq {
+impl<B: Backend> Seq<B> {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
     }
 
     fn computed(&self) -> usize {
-        self.cache.as_ref().map_or(0, |c| c.len)
+        match &self.spec {
+            Some(sp) => sp.cache.len,
+            None => self.cache.as_ref().map_or(0, |c| c.len),
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.spec.as_ref().map_or(self.tokens.len(), |sp| sp.tokens.len())
+    }
+
+    fn blocks(&self) -> usize {
+        match &self.spec {
+            Some(sp) => sp.cache.blocks.len(),
+            None => self.cache.as_ref().map_or(0, |c| c.blocks.len()),
+        }
     }
 
     fn cancelled(&self) -> bool {
@@ -146,9 +177,10 @@ pub struct Engine<B: Backend> {
     device: B::Device,
     config: EngineConfig,
     eos: Vec<u32>,
-    waiting: VecDeque<Seq>,
-    running: Vec<Seq>,
+    waiting: VecDeque<Seq<B>>,
+    running: Vec<Seq<B>>,
     metrics: Arc<Metrics>,
+    spec: Option<Speculator<B>>,
 }
 
 impl<B: Backend> Engine<B> {
@@ -159,10 +191,21 @@ impl<B: Backend> Engine<B> {
         config: EngineConfig,
         eos: Vec<u32>,
         metrics: Arc<Metrics>,
+        spec: Option<Speculator<B>>,
     ) -> anyhow::Result<Self> {
         let blocks = config.max_total_tokens.div_ceil(config.block_size).max(1);
         let cache = PagedMlaCache::<B>::new(&model.config, blocks, config.block_size, &device)?;
-        Ok(Self { model, cache, device, config, eos, waiting: VecDeque::new(), running: Vec::new(), metrics })
+        let (waiting, running) = (VecDeque::new(), Vec::new());
+        Ok(Self { model, cache, device, config, eos, waiting, running, metrics, spec })
+    }
+
+    /// Tokens a decode row of one sequence adds to the cache in one step (the verified drafts plus the root).
+    fn decode_width(&self) -> usize {
+        match &self.spec {
+            None => 1,
+            Some(d) if d.topk > 1 => d.num_draft_tokens,
+            Some(d) => d.num_steps + 1,
+        }
     }
 
     /// One forward over a 1-token dummy sequence, so the first request does not pay for lazy initialisation
@@ -208,7 +251,7 @@ impl<B: Backend> Engine<B> {
                 && Instant::now() >= deadline
             {
                 for seq in self.waiting.drain(..).chain(self.running.drain(..)).collect::<Vec<_>>() {
-                    finish(&mut self.cache, &self.metrics, seq, FinishReason::Cancelled);
+                    finish(&mut self.cache, &mut self.spec, &self.metrics, seq, FinishReason::Cancelled);
                 }
             }
             self.reap_cancelled();
@@ -240,6 +283,10 @@ impl<B: Backend> Engine<B> {
             arrived: Instant::now(),
             last_token: None,
             cached_tokens: 0,
+            emitted: 0,
+            counted: false,
+            spec: None,
+            primed: false,
         });
     }
 
@@ -248,15 +295,15 @@ impl<B: Backend> Engine<B> {
         while i < self.running.len() {
             if self.running[i].cancelled() {
                 let seq = self.running.remove(i);
-                finish(&mut self.cache, &self.metrics, seq, FinishReason::Cancelled);
+                finish(&mut self.cache, &mut self.spec, &self.metrics, seq, FinishReason::Cancelled);
             } else {
                 i += 1;
             }
         }
-        let (keep, gone): (VecDeque<Seq>, VecDeque<Seq>) = self.waiting.drain(..).partition(|s| !s.cancelled());
+        let (keep, gone): (VecDeque<Seq<B>>, VecDeque<Seq<B>>) = self.waiting.drain(..).partition(|s| !s.cancelled());
         self.waiting = keep;
         for seq in gone {
-            finish(&mut self.cache, &self.metrics, seq, FinishReason::Cancelled);
+            finish(&mut self.cache, &mut self.spec, &self.metrics, seq, FinishReason::Cancelled);
         }
     }
 
@@ -285,12 +332,30 @@ impl<B: Backend> Engine<B> {
                 continue;
             }
             let Some(mut seq) = self.waiting.pop_front() else { break };
-            if seq.cache.is_none() && seq.generated() == 0 {
+            if !seq.counted {
+                seq.counted = true;
                 Metrics::add(&self.metrics.prompt_tokens, seq.prompt_len as u64);
                 seq.cached_tokens = cache.len;
             }
             Metrics::add(&self.metrics.prefix_cache_hit_tokens, cache.len as u64);
-            seq.cache = Some(cache);
+            match &mut self.spec {
+                None => seq.cache = Some(cache),
+                Some(dec) => match dec.new_sequence::<B>(&seq.tokens, seq.params.sampling) {
+                    Ok(mut sp) => {
+                        sp.cache = cache;
+                        sp.prompt_len = seq.prompt_len;
+                        sp.sampler = seq.sampler.clone();
+                        seq.spec = Some(sp);
+                        seq.primed = false;
+                    }
+                    Err(e) => {
+                        self.cache.release(cache);
+                        let _ = seq.events.send(Event::Failed(e.to_string()));
+                        Metrics::add(&self.metrics.requests_server_error, 1);
+                        continue;
+                    }
+                },
+            }
             self.running.push(seq);
         }
     }
@@ -298,18 +363,23 @@ impl<B: Backend> Engine<B> {
     /// The tokens each running sequence feeds this step: decode rows first, then prefill chunks in admission
     /// order within the chunked-prefill budget. Preempts the newest sequences while the step's blocks are not free.
     fn plan(&mut self) -> Vec<(usize, usize)> {
+        let width = self.decode_width();
         loop {
             let mut plan = Vec::with_capacity(self.running.len());
             let mut budget = self.config.chunked_prefill;
+            // A decode row: every token but the last was run (speculative: and the drafter is primed).
+            let decoding = |seq: &Seq<B>| {
+                let left = seq.total() - seq.computed();
+                if seq.spec.is_some() { seq.primed && left == 1 } else { left == 1 }
+            };
             for (i, seq) in self.running.iter().enumerate() {
-                let left = seq.tokens.len() - seq.computed();
-                if left == 1 {
-                    plan.push((i, 1));
+                if decoding(seq) {
+                    plan.push((i, width));
                 }
             }
             for (i, seq) in self.running.iter().enumerate() {
-                let left = seq.tokens.len() - seq.computed();
-                if left > 1 && budget > 0 {
+                let left = seq.total() - seq.computed();
+                if !decoding(seq) && left > 0 && budget > 0 {
                     let n = left.min(budget);
                     budget -= n;
                     plan.push((i, n));
@@ -319,8 +389,8 @@ impl<B: Backend> Engine<B> {
             let need: usize = plan
                 .iter()
                 .map(|&(i, n)| {
-                    let c = self.running[i].cache.as_ref().map_or((0, 0), |c| (c.len, c.blocks.len()));
-                    (c.0 + n).div_ceil(bs).saturating_sub(c.1)
+                    let seq = &self.running[i];
+                    (seq.computed() + n).div_ceil(bs).saturating_sub(seq.blocks())
                 })
                 .sum();
             if need <= self.cache.free_blocks() || self.running.len() <= 1 {
@@ -329,10 +399,7 @@ impl<B: Backend> Engine<B> {
             }
             // Preempt the most recently admitted sequence: free its pages, recompute it later.
             if let Some(mut seq) = self.running.pop() {
-                if let Some(cache) = seq.cache.take() {
-                    self.cache.register_prefix(&cache, &seq.tokens);
-                    self.cache.release(cache);
-                }
+                park(&mut self.cache, &mut self.spec, &mut seq, true);
                 Metrics::add(&self.metrics.preemptions, 1);
                 self.waiting.push_front(seq);
             }
@@ -343,6 +410,9 @@ impl<B: Backend> Engine<B> {
         let plan = self.plan();
         if plan.is_empty() {
             return;
+        }
+        if self.spec.is_some() {
+            return self.step_speculative(&plan);
         }
         let vocab = self.model.config.vocab_size;
         let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<Vec<f32>> {
@@ -371,14 +441,7 @@ impl<B: Backend> Engine<B> {
                 return self.fail_step(&plan, &format!("logits of {} values for {} rows", l.len(), plan.len()));
             }
             Ok(Err(e)) => return self.fail_step(&plan, &format!("{e:#}")),
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "unknown panic".into());
-                return self.fail_step(&plan, &format!("panic: {what}"));
-            }
+            Err(panic) => return self.fail_step(&plan, &format!("panic: {}", panic_message(&*panic))),
         };
         let now = Instant::now();
         let mut finished = Vec::new();
@@ -406,6 +469,7 @@ impl<B: Backend> Engine<B> {
             }
             seq.last_token = Some(now);
             seq.tokens.push(id);
+            seq.emitted += 1;
             Metrics::add(&self.metrics.generation_tokens, 1);
             let _ = seq.events.send(Event::Token { id, logprobs });
             let stop = (!seq.params.ignore_eos && self.eos.contains(&id)) || seq.params.stop_token_ids.contains(&id);
@@ -417,7 +481,114 @@ impl<B: Backend> Engine<B> {
         }
         for &(i, reason) in finished.iter().rev() {
             let seq = self.running.remove(i);
-            finish(&mut self.cache, &self.metrics, seq, reason);
+            finish(&mut self.cache, &mut self.spec, &self.metrics, seq, reason);
+        }
+    }
+
+    /// A step in speculative mode: prompt chunks through [`SpecDecoder::prefill_chunks`] (one target forward),
+    /// decode rows through [`SpecDecoder::step`] (drafting, one target forward over all drafts, verification).
+    fn step_speculative(&mut self, plan: &[(usize, usize)]) {
+        let (prefill, decode): (Vec<(usize, usize)>, Vec<(usize, usize)>) =
+            plan.iter().partition(|&&(i, _)| !self.running[i].primed);
+        let mut finished: Vec<(usize, FinishReason)> = Vec::new();
+        let mut failed: Vec<(usize, usize)> = Vec::new();
+        let mut why = String::new();
+        let now = Instant::now();
+        if !prefill.is_empty() {
+            let limits: Vec<usize> = prefill.iter().map(|&(_, n)| n).collect();
+            let outcome = self.run_spec(&prefill, |dec, model, cache, seqs, device| {
+                dec.prefill_chunks(model, cache, seqs, &limits, device)
+                    .map(|v| v.into_iter().map(|t| t.into_iter().collect::<Vec<u32>>()).collect::<Vec<_>>())
+            });
+            match outcome {
+                Ok(firsts) => {
+                    for (&(i, _), first) in prefill.iter().zip(firsts) {
+                        if first.is_empty() {
+                            continue; // mid-prompt
+                        }
+                        let seq = &mut self.running[i];
+                        seq.primed = true;
+                        if let Some(sp) = &seq.spec {
+                            self.cache.register_prefix(&sp.cache, &sp.tokens);
+                        }
+                        if let Some(reason) = emit(&self.metrics, &self.eos, &self.config, seq, &first, now) {
+                            finished.push((i, reason));
+                        }
+                    }
+                }
+                Err(e) => {
+                    why = e;
+                    failed.extend(&prefill);
+                }
+            }
+        }
+        if !decode.is_empty() {
+            let outcome =
+                self.run_spec(&decode, |dec, model, cache, seqs, device| dec.step(model, cache, seqs, device));
+            match outcome {
+                Ok(news) => {
+                    for (&(i, _), new) in decode.iter().zip(news) {
+                        if let Some(reason) =
+                            emit(&self.metrics, &self.eos, &self.config, &mut self.running[i], &new, now)
+                        {
+                            finished.push((i, reason));
+                        }
+                    }
+                }
+                Err(e) => {
+                    why = e;
+                    failed.extend(&decode);
+                }
+            }
+            if let Some(dec) = self.spec.as_mut() {
+                let stats = dec.take_stats();
+                self.metrics.observe_speculation(&stats.position_drafted, &stats.position_accepted);
+            }
+        }
+        Metrics::add(&self.metrics.steps, 1);
+        // Remove from the highest index down so the others keep their places.
+        let mut gone: Vec<(usize, Option<FinishReason>)> = finished.into_iter().map(|(i, r)| (i, Some(r))).collect();
+        gone.extend(failed.iter().map(|&(i, _)| (i, None)));
+        gone.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        gone.dedup_by_key(|g| g.0);
+        for (i, reason) in gone {
+            match reason {
+                Some(reason) => {
+                    let seq = self.running.remove(i);
+                    finish(&mut self.cache, &mut self.spec, &self.metrics, seq, reason);
+                }
+                None => self.fail_step(&[(i, 0)], &why),
+            }
+        }
+    }
+
+    /// Runs one speculative call over the sequences of `part` with panics caught; `Err` carries the reason.
+    fn run_spec<T>(
+        &mut self,
+        part: &[(usize, usize)],
+        call: impl FnOnce(
+            &mut Speculator<B>,
+            &DeepseekV3<B>,
+            &mut PagedMlaCache<B>,
+            &mut [&mut SpecSequence<Eagle3State<B>>],
+            &B::Device,
+        ) -> eyrie_spec_decode::Result<T>,
+    ) -> Result<T, String> {
+        let Some(dec) = self.spec.as_mut() else { return Err("no speculative decoder".into()) };
+        let mut mask = vec![false; self.running.len()];
+        for &(i, _) in part {
+            mask[i] = true;
+        }
+        let mut seqs: Vec<&mut SpecSequence<Eagle3State<B>>> =
+            self.running.iter_mut().zip(&mask).filter(|(_, m)| **m).filter_map(|(s, _)| s.spec.as_mut()).collect();
+        if seqs.len() != part.len() {
+            return Err("a speculative sequence lost its state".into());
+        }
+        let (model, cache, device) = (&self.model, &mut self.cache, &self.device);
+        match catch_unwind(AssertUnwindSafe(|| call(dec, model, cache, &mut seqs, device))) {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(panic) => Err(format!("panic: {}", panic_message(&*panic))),
         }
     }
 
@@ -427,6 +598,9 @@ impl<B: Backend> Engine<B> {
             let mut seq = self.running.remove(i);
             if let Some(cache) = seq.cache.take() {
                 self.cache.release(cache);
+            }
+            if let (Some(sp), Some(dec)) = (seq.spec.take(), self.spec.as_mut()) {
+                dec.release(&mut self.cache, sp);
             }
             let _ = seq.events.send(Event::Failed(why.to_string()));
             Metrics::add(&self.metrics.requests_server_error, 1);
@@ -446,20 +620,81 @@ impl<B: Backend> Engine<B> {
     }
 }
 
-/// Ends a sequence: registers its committed blocks for reuse, frees its pages, tells the client.
-fn finish<B: Backend>(cache: &mut PagedMlaCache<B>, metrics: &Metrics, mut seq: Seq, reason: FinishReason) {
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// Sends a speculative step's new tokens in order, stopping at the first stop condition (later tokens are dropped);
+/// returns why the sequence ended, if it did.
+fn emit<B: Backend>(
+    metrics: &Metrics,
+    eos: &[u32],
+    config: &EngineConfig,
+    seq: &mut Seq<B>,
+    tokens: &[u32],
+    now: Instant,
+) -> Option<FinishReason> {
+    for &id in tokens {
+        match seq.last_token {
+            None => metrics.observe_ttft(now.duration_since(seq.arrived).as_secs_f64()),
+            Some(t) => metrics.observe_itl(now.duration_since(t).as_secs_f64()),
+        }
+        seq.last_token = Some(now);
+        seq.emitted += 1;
+        Metrics::add(&metrics.generation_tokens, 1);
+        let _ = seq.events.send(Event::Token { id, logprobs: None });
+        if (!seq.params.ignore_eos && eos.contains(&id)) || seq.params.stop_token_ids.contains(&id) {
+            return Some(FinishReason::Stop);
+        }
+        if seq.emitted >= seq.params.max_tokens || seq.prompt_len + seq.emitted >= config.context_length {
+            return Some(FinishReason::Length);
+        }
+    }
+    None
+}
+
+/// Takes a sequence out of the cache: registers its committed blocks for reuse (unless `register` is off) and
+/// frees its pages; in speculative mode its tokens (cut to what was sent) and sampler come back from the
+/// speculative state and the drafter state is released.
+fn park<B: Backend>(cache: &mut PagedMlaCache<B>, spec: &mut Option<Speculator<B>>, seq: &mut Seq<B>, register: bool) {
     if let Some(c) = seq.cache.take() {
-        if reason != FinishReason::Cancelled {
+        if register {
             cache.register_prefix(&c, &seq.tokens);
         }
         cache.release(c);
     }
+    if let Some(sp) = seq.spec.take() {
+        if register {
+            cache.register_prefix(&sp.cache, &sp.tokens);
+        }
+        seq.tokens = sp.tokens[..seq.prompt_len + seq.emitted].to_vec();
+        seq.sampler = sp.sampler.clone();
+        match spec.as_mut() {
+            Some(dec) => dec.release(cache, sp),
+            None => cache.release(sp.cache),
+        }
+    }
+}
+
+/// Ends a sequence: registers its committed blocks for reuse, frees its pages, tells the client.
+fn finish<B: Backend>(
+    cache: &mut PagedMlaCache<B>,
+    spec: &mut Option<Speculator<B>>,
+    metrics: &Metrics,
+    mut seq: Seq<B>,
+    reason: FinishReason,
+) {
+    park(cache, spec, &mut seq, reason != FinishReason::Cancelled);
     let counter = if reason == FinishReason::Cancelled { &metrics.requests_cancelled } else { &metrics.requests_ok };
     Metrics::add(counter, 1);
     let _ = seq.events.send(Event::Finished {
         reason,
         prompt_tokens: seq.prompt_len,
-        completion_tokens: seq.generated(),
+        completion_tokens: seq.emitted,
         cached_tokens: seq.cached_tokens,
     });
 }

@@ -124,17 +124,16 @@ impl Metrics {
         *lock(&self.gauges)
     }
 
-    /// Records one speculative step: `proposed` draft tokens, of which the first `accepted` were accepted.
-    pub fn observe_speculation(&self, proposed: usize, accepted: usize) {
+    /// Adds speculative statistics: per draft position, how many drafts were verified (all before them accepted)
+    /// and how many were accepted.
+    pub fn observe_speculation(&self, drafted: &[u64], accepted: &[u64]) {
         let mut spec = lock(&self.spec);
-        if spec.len() < proposed {
-            spec.resize(proposed, (0, 0));
+        if spec.len() < drafted.len() {
+            spec.resize(drafted.len(), (0, 0));
         }
-        for (i, slot) in spec.iter_mut().take(proposed).enumerate() {
-            slot.0 += 1;
-            if i < accepted {
-                slot.1 += 1;
-            }
+        for (i, slot) in spec.iter_mut().enumerate() {
+            slot.0 += drafted.get(i).copied().unwrap_or(0);
+            slot.1 += accepted.get(i).copied().unwrap_or(0);
         }
     }
 
@@ -192,13 +191,21 @@ impl Metrics {
         let spec = lock(&self.spec);
         let _ = writeln!(
             out,
-            "# HELP eyrie:spec_decode_acceptance_rate Accepted / proposed draft tokens per draft position.\n\
+            "# HELP eyrie:spec_decode_acceptance_rate Accepted / verified draft tokens per draft position.\n\
              # TYPE eyrie:spec_decode_acceptance_rate gauge"
         );
         for (i, (proposed, accepted)) in spec.iter().enumerate() {
             let rate = if *proposed == 0 { 0.0 } else { *accepted as f64 / *proposed as f64 };
             let _ = writeln!(out, "eyrie:spec_decode_acceptance_rate{{position=\"{i}\"}} {rate}");
         }
+        let (drafted, accepted): (u64, u64) = spec.iter().fold((0, 0), |(d, a), (x, y)| (d + x, a + y));
+        let _ = writeln!(
+            out,
+            "# HELP eyrie:spec_decode_draft_tokens_total Draft tokens verified.\n# TYPE eyrie:spec_decode_draft_tokens_total counter\n\
+             eyrie:spec_decode_draft_tokens_total {drafted}\n\
+             # HELP eyrie:spec_decode_accepted_tokens_total Draft tokens accepted.\n# TYPE eyrie:spec_decode_accepted_tokens_total counter\n\
+             eyrie:spec_decode_accepted_tokens_total {accepted}"
+        );
         out
     }
 }
@@ -222,8 +229,7 @@ mod tests {
             kv_blocks_cached: 3,
             block_size: 16,
         });
-        m.observe_speculation(3, 2);
-        m.observe_speculation(3, 0);
+        m.observe_speculation(&[2, 1, 1], &[1, 1, 0]);
         let text = m.render("tiny");
         for line in [
             "eyrie:requests_total{model=\"tiny\",outcome=\"ok\"} 2",

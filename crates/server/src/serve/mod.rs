@@ -72,6 +72,9 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_timeout: f64,
+    /// EAGLE-3 speculative decoding for every request (SGLang's flags).
+    #[command(flatten)]
+    pub speculative: crate::spec::SpeculativeArgs,
 }
 
 /// Runs the server until a signal stops it.
@@ -146,6 +149,7 @@ struct Launch {
 /// Reads the front (config, tokenizer, template), then starts the engine thread, which loads the weights.
 fn launch<B: Backend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Device) -> Result<Launch> {
     let (config, tokenizer, template) = load_front(dir)?;
+    let spec_plan = args.speculative.resolve()?;
     let context_length = args
         .context_length
         .unwrap_or(config.max_position_embeddings)
@@ -175,6 +179,7 @@ fn launch<B: Backend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Devic
         max_in_flight: args.max_running_requests + args.max_queued_requests,
         in_flight: AtomicUsize::new(0),
         created: protocol::now_secs(),
+        speculative: spec_plan.is_some(),
     });
     let engine_config = EngineConfig {
         max_running: args.max_running_requests,
@@ -205,7 +210,26 @@ fn launch<B: Backend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Devic
                 }
             })
             .with_context(|| format!("loading the model in {}", dir.display()))?;
-            Engine::new(model, device, engine_config, eos, metrics)
+            let spec = match spec_plan {
+                None => None,
+                Some(plan) => {
+                    let drafter =
+                        eyrie_spec_decode::Eagle3Drafter::load(&plan.draft_dir, &model, plan.convention, &device)
+                            .with_context(|| format!("loading the EAGLE-3 drafter in {}", plan.draft_dir.display()))?;
+                    eprintln!(
+                        "eyrie: speculative decoding: EAGLE3 from {}, {} steps, topk {}, {} draft tokens",
+                        plan.draft_dir.display(),
+                        plan.num_steps,
+                        plan.topk,
+                        plan.num_draft_tokens
+                    );
+                    Some(
+                        eyrie_spec_decode::SpecDecoder::new(drafter, plan.num_steps)
+                            .with_tree(plan.topk, plan.num_draft_tokens),
+                    )
+                }
+            };
+            Engine::new(model, device, engine_config, eos, metrics, spec)
         },
         rx,
         ready,

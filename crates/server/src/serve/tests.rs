@@ -407,3 +407,58 @@ fn reasoning_and_kimi_tool_calls_are_split_from_content() {
     assert_eq!(text, "ok then ");
     assert!(plain.stopped());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_serving_is_token_identical_to_plain_serving() {
+    let drafter = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/serve/tiny-drafter");
+    let plain = start(&["--max-total-tokens", "512", "--page-size", "4"]);
+    let chain = start(&[
+        "--max-total-tokens",
+        "512",
+        "--page-size",
+        "4",
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        drafter,
+        "--speculative-num-steps",
+        "3",
+    ]);
+    let tree = start(&[
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        drafter,
+        "--speculative-num-steps",
+        "2",
+        "--speculative-eagle-topk",
+        "2",
+        "--speculative-num-draft-tokens",
+        "5",
+    ]);
+    let prompts: Vec<Vec<u32>> =
+        (0..6u32).map(|i| (0..(2 + i * 5)).map(|j| (i * 31 + j * 7) % 1000).collect()).collect();
+    for server in [&chain, &tree] {
+        let mut tasks = Vec::new();
+        for p in &prompts {
+            let body = json!({"prompt": p, "max_tokens": 9, "temperature": 0, "ignore_eos": true});
+            let (a, b) = (plain.state.clone(), server.state.clone());
+            tasks.push(tokio::spawn(async move {
+                (post(&a, "/v1/completions", body.clone()).await, post(&b, "/v1/completions", body).await)
+            }));
+        }
+        for t in tasks {
+            let ((sa, want), (sb, got)) = t.await.unwrap();
+            assert_eq!((sa, sb), (StatusCode::OK, StatusCode::OK), "{want} {got}");
+            assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"]);
+            assert_eq!(got["usage"]["completion_tokens"], 9, "tokens past max_tokens are cut");
+        }
+        let (_, metrics) = call(&server.state, "GET", "/metrics", None, None).await;
+        let text = String::from_utf8(metrics).unwrap();
+        assert!(text.contains("eyrie:spec_decode_acceptance_rate{position=\"0\"}"), "{text}");
+        wait_idle(&server.state).await;
+    }
+    // Log-probabilities are refused clearly rather than silently missing.
+    let (status, body) = post(&chain.state, "/v1/completions", json!({"prompt": "x", "logprobs": 1})).await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, Some("logprobs"));
+}
