@@ -4,6 +4,7 @@
 //! broken library never breaks the tool that diagnoses it.
 
 mod bench;
+mod bench_serve;
 mod gpu;
 mod tidy;
 mod tiny_model;
@@ -26,6 +27,8 @@ commands:
   bench load              safetensors index/map and CPU dequantization throughput (bench/load.json)
   bench kernels           fused INT4 MoE kernel vs torch peers and copy bandwidth, on a GPU (bench/kernels*.json;
                           without a GPU here: builds .device-kern/ and prints the device command)
+  bench serve [--url URL] serving benchmark (scripts/bench_serve.py): starts eyrie serve on the embedded tiny
+                          model unless --url is given (bench/serve.json)
   gpu-test                GPU kernels vs their CPU references (.device-kern/gpu_kernels check, on a GPU)
   tiny-model [--check]    regenerate crates/server/assets/tiny-model (eyrie serve's default model), or check it
 ";
