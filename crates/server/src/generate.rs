@@ -3,6 +3,11 @@
 //! The prompt is prefilled and each new token decoded over the paged compressed MLA KV cache
 //! ([`DeepseekV3::forward_cached`], the absorbed form), so a step costs one token's forward. Sampling (greedy,
 //! temperature, top-p, seed) is [`eyrie_model::sampling`] on the host over the last logits row.
+//!
+//! With `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR` (flags of [`crate::spec`]) the same
+//! sequence runs through [`SpecDecoder`]: an EAGLE-3 drafter proposes a chain or tree per step and one target
+//! forward verifies it, losslessly (greedy output is token-identical to the plain path). Tokens past an
+//! end-of-sequence id or `--max-tokens` are cut, and the acceptance statistics go to stderr (or the JSON line).
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -16,8 +21,10 @@ use eyrie_model::device::{DeviceChoice, ResolvedDevice};
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
 use eyrie_model::sampling::{Sampler, SamplingParams};
 use eyrie_model::tokenizer::{Tokenizer, TokenizerError};
+use eyrie_spec_decode::{AcceptanceStats, Eagle3Drafter, SpecDecoder};
 
 use crate::run_model::{ModelJob, dispatch, load_config, parse_tokens, to_host};
+use crate::spec::{SpecPlan, SpeculativeArgs, stats_json};
 
 /// Tokens per KV-cache block.
 const BLOCK_SIZE: usize = 16;
@@ -55,20 +62,22 @@ pub struct GenerateArgs {
     /// Where to run: auto, cpu or cuda[:N].
     #[arg(long, default_value = "auto")]
     pub device: DeviceChoice,
-    /// Print only one JSON line at the end: `{"tokens": [...], "text": ...}` (text null without a tokenizer).
+    /// Print only one JSON line at the end: `{"tokens": [...], "text": ...}` (text null without a tokenizer; plus
+    /// `"speculative": {...}` statistics with --speculative-algorithm).
     #[arg(long)]
     pub json: bool,
+    /// Speculative decoding (EAGLE-3).
+    #[command(flatten)]
+    pub speculative: SpeculativeArgs,
 }
 
 pub fn run(args: GenerateArgs) -> Result<()> {
     let dir = args.model.as_path();
     let config = load_config(dir)?;
-    let sampler = Sampler::new(SamplingParams {
-        temperature: args.temperature,
-        top_p: args.top_p,
-        seed: args.seed,
-        ..Default::default()
-    })?;
+    let params =
+        SamplingParams { temperature: args.temperature, top_p: args.top_p, seed: args.seed, ..Default::default() };
+    Sampler::new(params)?;
+    let spec = args.speculative.resolve()?;
     let tokenizer = match Tokenizer::from_dir(dir) {
         Ok(t) => Some(t),
         Err(TokenizerError::NoTokenizer { .. }) => None,
@@ -95,11 +104,23 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         out.flush()?;
         Ok(())
     };
-    let job =
-        GenerateJob { dir, prompt: &prompt, max_tokens: args.max_tokens, sampler, eos: &eos, on_token: &mut on_token };
+    let job = GenerateJob {
+        dir,
+        prompt: &prompt,
+        max_tokens: args.max_tokens,
+        params,
+        spec: spec.as_ref(),
+        eos: &eos,
+        on_token: &mut on_token,
+    };
     let started = Instant::now();
-    let (generated, device) = dispatch(args.device, job)?;
+    let GenerateOutput { generated, device, decode_seconds, spec_stats } = dispatch(args.device, job)?;
     let seconds = started.elapsed().as_secs_f64();
+    let tokens_per_s = if decode_seconds > 0.0 { generated.len() as f64 / decode_seconds } else { 0.0 };
+    let spec_json = match (&spec, &spec_stats) {
+        (Some(plan), Some((stats, capture_ids))) => Some(stats_json(plan, capture_ids, stats, tokens_per_s)),
+        _ => None,
+    };
 
     let mut out = stdout.lock();
     if args.json {
@@ -109,7 +130,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             Some(t) => Some(t.decode(body, true)?),
             None => None,
         };
-        writeln!(out, "{}", serde_json::json!({ "tokens": generated, "text": text }))?;
+        let mut line = serde_json::json!({ "tokens": generated, "text": text });
+        if let Some(s) = spec_json {
+            line["speculative"] = s;
+        }
+        writeln!(out, "{line}")?;
     } else {
         if let Some(d) = decoder.as_mut() {
             write!(out, "{}", d.flush()?)?;
@@ -123,6 +148,10 @@ pub fn run(args: GenerateArgs) -> Result<()> {
         prompt.len(),
         generated.len()
     );
+    if let Some((stats, _)) = &spec_stats {
+        eprintln!("{}", stats.summary());
+        eprintln!("speculative: {tokens_per_s:.1} tokens/s over prefill + decode ({decode_seconds:.3} s)");
+    }
     Ok(())
 }
 
@@ -184,18 +213,35 @@ struct GenerateJob<'a> {
     dir: &'a Path,
     prompt: &'a [u32],
     max_tokens: usize,
-    sampler: Sampler,
+    /// Validated sampling parameters.
+    params: SamplingParams,
+    /// Speculative decoding, when asked for.
+    spec: Option<&'a SpecPlan>,
     eos: &'a [u32],
     /// Called with each new id and whether it ends the sequence.
     on_token: &'a mut dyn FnMut(u32, bool) -> Result<()>,
 }
 
-impl ModelJob for GenerateJob<'_> {
-    type Output = (Vec<u32>, ResolvedDevice);
+struct GenerateOutput {
+    generated: Vec<u32>,
+    device: ResolvedDevice,
+    /// Prefill and decode time (model and drafter loading excluded).
+    decode_seconds: f64,
+    /// With speculation: the statistics and the target layers captured for the drafter.
+    spec_stats: Option<(AcceptanceStats, Vec<usize>)>,
+}
 
-    fn run<B: Backend>(mut self, device: &B::Device, resolved: ResolvedDevice) -> Result<Self::Output> {
+impl ModelJob for GenerateJob<'_> {
+    type Output = GenerateOutput;
+
+    fn run<B: Backend>(self, device: &B::Device, resolved: ResolvedDevice) -> Result<Self::Output> {
         let model = DeepseekV3::<B>::load(self.dir, device)
             .with_context(|| format!("loading the model in {}", self.dir.display()))?;
+        if let Some(plan) = self.spec {
+            return self.run_speculative(&model, plan, device, resolved);
+        }
+        let started = Instant::now();
+        let mut sampler = Sampler::new(self.params)?;
         let vocab = model.config.vocab_size;
         let blocks = (self.prompt.len() + self.max_tokens).div_ceil(BLOCK_SIZE).max(1);
         let mut cache = PagedMlaCache::<B>::new(&model.config, blocks, BLOCK_SIZE, device)?;
@@ -207,7 +253,7 @@ impl ModelJob for GenerateJob<'_> {
             let logits = model.forward_cached(&input, &mut cache, &mut seq, device)?;
             let n = input.len();
             let row = to_host(logits.narrow(0, n - 1, 1).reshape([vocab]))?;
-            let id = self.sampler.sample(&row);
+            let id = sampler.sample(&row);
             generated.push(id);
             let is_eos = self.eos.contains(&id);
             (self.on_token)(id, is_eos)?;
@@ -217,6 +263,57 @@ impl ModelJob for GenerateJob<'_> {
             input = vec![id];
         }
         cache.release(seq);
-        Ok((generated, resolved))
+        let decode_seconds = started.elapsed().as_secs_f64();
+        Ok(GenerateOutput { generated, device: resolved, decode_seconds, spec_stats: None })
+    }
+}
+
+impl GenerateJob<'_> {
+    /// The sequence through [`SpecDecoder`]: prefill (first token), then steps of 1..=num_steps+1 tokens each,
+    /// emitted one by one until an end-of-sequence id or `max_tokens` (the rest of a step's tokens are cut).
+    fn run_speculative<B: Backend>(
+        self,
+        model: &DeepseekV3<B>,
+        plan: &SpecPlan,
+        device: &B::Device,
+        resolved: ResolvedDevice,
+    ) -> Result<GenerateOutput> {
+        let dir = &plan.draft_dir;
+        let drafter = Eagle3Drafter::load(dir, model, plan.convention, device)
+            .with_context(|| format!("loading the EAGLE-3 drafter in {}", dir.display()))?;
+        let capture_ids = drafter.capture_ids.clone();
+        let mut dec = SpecDecoder::new(drafter, plan.num_steps);
+        if plan.topk > 1 {
+            dec = dec.with_tree(plan.topk, plan.num_draft_tokens);
+        }
+        // A step writes up to `span` positions past the committed ones before rollback.
+        let span = plan.num_draft_tokens.max(plan.num_steps + 1);
+        let blocks = (self.prompt.len() + self.max_tokens + span).div_ceil(BLOCK_SIZE) + 1;
+        let mut cache = PagedMlaCache::<B>::new(&model.config, blocks, BLOCK_SIZE, device)?;
+        let started = Instant::now();
+        let mut seq = dec.new_sequence(self.prompt, self.params)?;
+        let mut generated = Vec::with_capacity(self.max_tokens);
+        if self.max_tokens > 0 {
+            let mut new_tokens = dec.prefill(model, &mut cache, &mut [&mut seq], device)?;
+            'decode: loop {
+                for id in new_tokens {
+                    generated.push(id);
+                    let is_eos = self.eos.contains(&id);
+                    (self.on_token)(id, is_eos)?;
+                    if is_eos || generated.len() >= self.max_tokens {
+                        break 'decode;
+                    }
+                }
+                new_tokens = dec.step(model, &mut cache, &mut [&mut seq], device)?.swap_remove(0);
+            }
+        }
+        dec.release(&mut cache, seq);
+        let decode_seconds = started.elapsed().as_secs_f64();
+        Ok(GenerateOutput {
+            generated,
+            device: resolved,
+            decode_seconds,
+            spec_stats: Some((dec.take_stats(), capture_ids)),
+        })
     }
 }

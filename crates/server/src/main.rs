@@ -7,6 +7,7 @@ mod inspect;
 mod run_model;
 mod score;
 mod serve;
+mod spec;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -54,6 +55,11 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Write the logits and every hidden state of one forward over token ids to a .safetensors file.
     Score(score::ScoreArgs),
+    /// Speculative decoding tools (`spec check`: which aux-layer convention fits an EAGLE-3 drafter).
+    Spec {
+        #[command(subcommand)]
+        command: spec::SpecCommand,
+    },
 }
 
 fn main() -> ExitCode {
@@ -63,6 +69,7 @@ fn main() -> ExitCode {
         Command::Dequant { dir, tensor, out, device } => dequant::run(&dir, &tensor, &out, device),
         Command::Generate(args) => generate::run(args),
         Command::Score(args) => score::run(args),
+        Command::Spec { command } => spec::run(command),
         Command::Serve(args) => serve::run(args),
     };
     match result {
