@@ -197,12 +197,14 @@ fn launch<B: Backend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Devic
                 if p.tensors_done == p.tensors_total || last.elapsed() >= Duration::from_secs(1) {
                     last = Instant::now();
                     let gb = |b: u64| b as f64 / 1e9;
+                    let unit = if p.bytes_total >= 1_000_000_000 { "GB" } else { "MB" };
+                    let scale = if unit == "GB" { 1.0 } else { 1e3 };
                     let eta = p.eta().map_or_else(String::new, |d| format!(", ETA {:.0} s", d.as_secs_f64()));
                     eprintln!(
-                        "eyrie: loading {:.0}%: {:.2} of {:.2} GB, {} of {} tensors, {:.1} s{eta}",
+                        "eyrie: loading {:.0}%: {:.2} of {:.2} {unit}, {} of {} tensors, {:.1} s{eta}",
                         100.0 * p.bytes_done as f64 / p.bytes_total.max(1) as f64,
-                        gb(p.bytes_done),
-                        gb(p.bytes_total),
+                        gb(p.bytes_done) * scale,
+                        gb(p.bytes_total) * scale,
                         p.tensors_done,
                         p.tensors_total,
                         p.elapsed.as_secs_f64()
