@@ -116,6 +116,9 @@ pub enum Message {
     },
 }
 
+/// Which running sequences a step feeds, and how many tokens each.
+type Plan = Vec<(usize, usize)>;
+
 /// The drafter-backed decoder of speculative mode.
 pub type Speculator<B> = SpecDecoder<Eagle3Drafter<B>>;
 
@@ -488,8 +491,7 @@ impl<B: Backend> Engine<B> {
     /// A step in speculative mode: prompt chunks through [`SpecDecoder::prefill_chunks`] (one target forward),
     /// decode rows through [`SpecDecoder::step`] (drafting, one target forward over all drafts, verification).
     fn step_speculative(&mut self, plan: &[(usize, usize)]) {
-        let (prefill, decode): (Vec<(usize, usize)>, Vec<(usize, usize)>) =
-            plan.iter().partition(|&&(i, _)| !self.running[i].primed);
+        let (prefill, decode): (Plan, Plan) = plan.iter().partition(|&&(i, _)| !self.running[i].primed);
         let mut finished: Vec<(usize, FinishReason)> = Vec::new();
         let mut failed: Vec<(usize, usize)> = Vec::new();
         let mut why = String::new();
@@ -549,7 +551,7 @@ impl<B: Backend> Engine<B> {
         // Remove from the highest index down so the others keep their places.
         let mut gone: Vec<(usize, Option<FinishReason>)> = finished.into_iter().map(|(i, r)| (i, Some(r))).collect();
         gone.extend(failed.iter().map(|&(i, _)| (i, None)));
-        gone.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        gone.sort_unstable_by_key(|g| std::cmp::Reverse(g.0));
         gone.dedup_by_key(|g| g.0);
         for (i, reason) in gone {
             match reason {
