@@ -10,6 +10,7 @@ use crate::cargo;
 const BENCHES: &[(&str, &str, &str)] = &[
     // (name, package, example)
     ("load", "eyrie-quant", "bench_load"),
+    ("spec", "eyrie-spec-decode", "bench_spec"),
 ];
 
 pub fn run_bench(root: &Path, args: &[String]) -> Result<()> {
