@@ -111,6 +111,17 @@ pub enum ModelError {
         message: String,
     },
 
+    /// A collective operation (all-reduce, all-gather, all-to-all) whose ranks disagree, or whose group broke.
+    #[error("collective {op} on rank {rank}: {message}")]
+    Collective {
+        /// The operation.
+        op: &'static str,
+        /// The rank reporting it.
+        rank: usize,
+        /// What is wrong (the ranks and shapes involved).
+        message: String,
+    },
+
     /// Input that the model cannot run on (a token id outside the vocabulary, an empty batch).
     #[error("invalid input: {message}")]
     Input {

@@ -17,6 +17,7 @@ pub mod linear;
 pub mod mla;
 pub mod mlp;
 pub mod moe;
+pub mod parallel;
 pub mod rms_norm;
 pub mod rope;
 pub mod sampling;

@@ -1,0 +1,15 @@
+//! Tensor and expert parallelism (issue 7): the collectives ([`comm`]: the [`Communicator`] trait and the
+//! in-process CPU [`LocalCommunicator`]), how DeepSeek-V3 splits over ranks ([`shard`]), and one rank's model
+//! with its forward ([`model`]: [`ShardedDeepseekV3`]).
+//!
+//! The CPU communicator runs N ranks as N threads so the sharding logic is tested in CI
+//! (`tests/parallel.rs`: sharded logits equal the unsharded model's); an NCCL communicator implements the same
+//! trait for GPUs.
+
+pub mod comm;
+pub mod model;
+pub mod shard;
+
+pub use comm::{Communicator, LocalCommunicator};
+pub use model::{ExpertDispatch, ShardedDeepseekV3};
+pub use shard::ShardSpec;

@@ -1,0 +1,307 @@
+//! One rank's part of a tensor / expert parallel DeepSeek-V3 ([`ShardedDeepseekV3`]) and its full-form forward,
+//! calling the [`Communicator`] where the split needs it (layout in [`super::shard`]).
+//!
+//! Per layer: `h = x + all_reduce(MLA_shard(RMSNorm(x)))`, `x = h + all_reduce(FFN_shard(RMSNorm(h)))`, where the
+//! FFN shard is the dense MLP's column/row-parallel slice, or the routed experts this rank holds (on the tokens the
+//! replicated router sends to them) plus the shared experts' slice. Every rank ends each layer with the same
+//! residual stream (the all-reduce adds in rank order and gives every rank the same values), so the replicated
+//! router decides the same on every rank and every rank returns the same logits.
+
+use std::path::Path;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
+
+use super::comm::Communicator;
+use super::shard::{ShardSpec, ShardedMoe, shard_mla, shard_mlp, shard_moe};
+use crate::config::ModelConfig;
+use crate::deepseek_v3::{DeepseekV3, FeedForward};
+use crate::error::{ModelError, Result};
+use crate::linear::Linear;
+use crate::mla::Mla;
+use crate::mlp::Mlp;
+use crate::rms_norm::RmsNorm;
+use crate::rope::RotaryEmbedding;
+
+/// How tokens reach the routed experts of other ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpertDispatch {
+    /// Every rank has every token (the attention all-reduce gives each rank the whole residual stream), so each
+    /// runs its experts on all tokens routed to them; one all-reduce sums the ranks' outputs with the shared
+    /// experts'. The simplest correct EP.
+    #[default]
+    AllReduce,
+    /// Rank `r` routes only its `1/world` share of the token rows and sends each (token, expert) row to the rank
+    /// holding the expert (all-to-all); that rank runs it and sends the weighted output back (all-to-all); one
+    /// all-reduce then merges the row shares and the shared experts' partial sums. What DP attention + EP
+    /// deployments do; the rows travel through the host in this version.
+    AllToAll,
+}
+
+/// A rank's feed-forward block.
+#[derive(Debug, Clone)]
+pub enum ShardedFeedForward<B: Backend> {
+    /// The rank's slice of the dense MLP.
+    Dense(Mlp<B>),
+    /// Router, local experts, shared-expert slice.
+    Moe(Box<ShardedMoe<B>>),
+}
+
+/// A rank's decoder layer: replicated norms, head-sliced MLA, sliced FFN.
+#[derive(Debug, Clone)]
+pub struct ShardedLayer<B: Backend> {
+    /// Pre-attention norm (replicated).
+    pub input_layernorm: RmsNorm<B>,
+    /// This rank's heads.
+    pub self_attn: Mla<B>,
+    /// Pre-FFN norm (replicated).
+    pub post_attention_layernorm: RmsNorm<B>,
+    /// This rank's FFN slice.
+    pub mlp: ShardedFeedForward<B>,
+}
+
+/// One rank of a tensor x expert parallel DeepSeek-V3 (see [`super::shard`] for the layout).
+#[derive(Debug, Clone)]
+pub struct ShardedDeepseekV3<B: Backend> {
+    /// The validated config of the whole model.
+    pub config: ModelConfig,
+    /// This rank's place in the group.
+    pub spec: ShardSpec,
+    /// `[vocab, d]`, replicated.
+    pub embed_tokens: Tensor<B, 2>,
+    /// This rank's layers.
+    pub layers: Vec<ShardedLayer<B>>,
+    /// Final norm, replicated.
+    pub norm: RmsNorm<B>,
+    /// `lm_head`, replicated.
+    pub lm_head: Linear<B>,
+    /// RoPE parameters.
+    pub rope: RotaryEmbedding,
+    /// How routed experts get their tokens (all-reduce unless set).
+    pub dispatch: ExpertDispatch,
+}
+
+impl<B: Backend> ShardedDeepseekV3<B> {
+    /// Loads rank `rank`'s shard of the checkpoint in `dir` for `tp`-way tensor and `ep`-way expert parallelism
+    /// onto `device`. For now this loads the whole model through [`DeepseekV3::load`] (with its check that every
+    /// checkpoint tensor is consumed) and slices after loading; reading only the rank's slices from the
+    /// checkpoint is left for the multi-GPU loader.
+    pub fn load(dir: impl AsRef<Path>, rank: usize, tp: usize, ep: usize, device: &B::Device) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir.as_ref())?;
+        let spec = ShardSpec { rank, tp, ep };
+        spec.validate(&config)?;
+        Self::from_full(&DeepseekV3::load(dir, device)?, spec)
+    }
+
+    /// `spec`'s shard of a loaded model.
+    pub fn from_full(full: &DeepseekV3<B>, spec: ShardSpec) -> Result<Self> {
+        spec.validate(&full.config)?;
+        let layers = full
+            .layers
+            .iter()
+            .map(|l| ShardedLayer {
+                input_layernorm: l.input_layernorm.clone(),
+                self_attn: shard_mla(&l.self_attn, spec.tp_rank(), spec.tp),
+                post_attention_layernorm: l.post_attention_layernorm.clone(),
+                mlp: match &l.mlp {
+                    FeedForward::Dense(mlp) => ShardedFeedForward::Dense(shard_mlp(mlp, spec.tp_rank(), spec.tp)),
+                    FeedForward::Moe(moe) => ShardedFeedForward::Moe(Box::new(shard_moe(moe, &spec))),
+                },
+            })
+            .collect();
+        Ok(Self {
+            config: full.config.clone(),
+            spec,
+            embed_tokens: full.embed_tokens.clone(),
+            layers,
+            norm: full.norm.clone(),
+            lm_head: full.lm_head.clone(),
+            rope: full.rope.clone(),
+            dispatch: ExpertDispatch::default(),
+        })
+    }
+
+    /// Logits `[b, s, vocab]` for `tokens` `[b, s]` (ids `< vocab_size`, as [`DeepseekV3::token_tensor`] makes
+    /// them), the same on every rank. Every rank of `comm`'s group calls this with the same tokens.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>, comm: &impl Communicator<B>) -> Result<Tensor<B, 3>> {
+        if comm.rank() != self.spec.rank || comm.world_size() != self.spec.world() {
+            return Err(ModelError::Input {
+                message: format!(
+                    "communicator rank {} of {} does not match the shard's rank {} of {}",
+                    comm.rank(),
+                    comm.world_size(),
+                    self.spec.rank,
+                    self.spec.world()
+                ),
+            });
+        }
+        let [b, s] = tokens.dims();
+        let (d, n) = (self.config.hidden_size, b * s);
+        let device = tokens.device();
+        // [b*s] -> [n, d]
+        let mut x = self.embed_tokens.clone().select(0, tokens.reshape([n]));
+        let tables = self.rope.tables::<B>(0, s, &device);
+        for layer in &self.layers {
+            // [b, s, d] partial over this rank's heads
+            let attn = if self.spec.tp > 1 && !self.spec.tp_contributes() {
+                Tensor::zeros([n, d], &device)
+            } else {
+                let normed = layer.input_layernorm.forward(x.clone()).reshape([b, s, d]);
+                layer.self_attn.forward(normed, &self.rope, &tables).reshape([n, d])
+            };
+            let h = x + if self.spec.tp > 1 { comm.all_reduce_sum(attn)? } else { attn };
+            // [n, d]
+            let normed = layer.post_attention_layernorm.forward(h.clone());
+            let ffn = match &layer.mlp {
+                ShardedFeedForward::Dense(mlp) => {
+                    if self.spec.tp == 1 {
+                        mlp.forward(normed)
+                    } else if self.spec.tp_contributes() {
+                        comm.all_reduce_sum(mlp.forward(normed))?
+                    } else {
+                        comm.all_reduce_sum(Tensor::zeros([n, d], &device))?
+                    }
+                }
+                ShardedFeedForward::Moe(moe) => self.moe_forward(moe, normed, comm)?,
+            };
+            x = h + ffn;
+        }
+        let logits = self.lm_head.forward(self.norm.forward(x));
+        Ok(logits.reshape([b, s, self.config.vocab_size]))
+    }
+
+    /// The MoE block: this rank's routed experts on the tokens routed to them (see [`ExpertDispatch`]) plus
+    /// this rank's shared-expert slice, one all-reduce of their sum. `x` `[n, d]` -> `[n, d]`.
+    fn moe_forward(
+        &self,
+        sharded: &ShardedMoe<B>,
+        x: Tensor<B, 2>,
+        comm: &impl Communicator<B>,
+    ) -> Result<Tensor<B, 2>> {
+        let spec = &self.spec;
+        let [n, d] = x.dims();
+        let moe = &sharded.moe;
+        let mut out = if spec.ep > 1 && self.dispatch == ExpertDispatch::AllToAll {
+            self.routed_all_to_all(sharded, x.clone(), comm)?
+        } else if spec.ep_contributes() {
+            let routing = moe.routing(x.clone());
+            let k = moe.params.top_k;
+            let slots = routing.experts.iter().zip(&routing.weights).enumerate().map(|(s, (&e, &w))| (s / k, e, w));
+            run_local_experts(sharded, x.clone(), slots)
+        } else {
+            Tensor::zeros([n, d], &x.device())
+        };
+        if spec.tp_contributes() {
+            out = out + moe.shared_experts.forward(x);
+        }
+        if spec.world() > 1 { comm.all_reduce_sum(out) } else { Ok(out) }
+    }
+
+    /// [`ExpertDispatch::AllToAll`]: this rank's share of the rows is routed here, each (token, expert) row goes
+    /// to the expert's rank as `[x (d) | expert id | weight]` (a part with no rows carries one row of expert id
+    /// -1, so no part is empty), and the weighted outputs come back in the order sent. Returns `[n, d]` holding
+    /// the routed output of this rank's rows, zeros elsewhere.
+    fn routed_all_to_all(
+        &self,
+        sharded: &ShardedMoe<B>,
+        x: Tensor<B, 2>,
+        comm: &impl Communicator<B>,
+    ) -> Result<Tensor<B, 2>> {
+        let (world, rank) = (self.spec.world(), self.spec.rank);
+        let [n, d] = x.dims();
+        let device = x.device();
+        let moe = &sharded.moe;
+        let (k, per_rank) = (moe.params.top_k, moe.experts.len());
+        // This rank's rows: start..start + len.
+        let (start, len) = (rank * n / world, (rank + 1) * n / world - rank * n / world);
+        let mut rows: Vec<Vec<f32>> = vec![Vec::new(); world];
+        let mut tokens: Vec<Vec<i64>> = vec![Vec::new(); world];
+        if len > 0 {
+            let own = x.clone().narrow(0, start, len);
+            let routing = moe.routing(own.clone());
+            let own = host_rows(own)?;
+            for (slot, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
+                let (dest, t) = (e / per_rank, slot / k);
+                rows[dest].extend_from_slice(&own[t * d..(t + 1) * d]);
+                rows[dest].extend([e as f32, w]);
+                tokens[dest].push((start + t) as i64);
+            }
+        }
+        let parts = rows
+            .into_iter()
+            .map(|mut r| {
+                if r.is_empty() {
+                    r = vec![0.0; d + 2];
+                    r[d] = -1.0;
+                }
+                let m = r.len() / (d + 2);
+                Tensor::from_data(TensorData::new(r, [m, d + 2]), &device)
+            })
+            .collect();
+        // Received rows from every rank, run through the local experts, in the order received.
+        let received = comm.all_to_all(parts)?;
+        let counts: Vec<usize> = received.iter().map(|p| p.dims()[0]).collect();
+        let all = Tensor::cat(received, 0);
+        let meta = host_rows(all.clone().narrow(1, d, 2))?;
+        let slots =
+            meta.chunks_exact(2).enumerate().filter(|(_, m)| m[0] >= 0.0).map(|(i, m)| (i, m[0] as usize, m[1]));
+        let done = run_local_experts(sharded, all.narrow(1, 0, d), slots);
+        let mut back = Vec::with_capacity(world);
+        let mut row = 0;
+        for c in counts {
+            back.push(done.clone().narrow(0, row, c));
+            row += c;
+        }
+        // The outputs of this rank's rows, in the order sent.
+        let mut out = Tensor::<B, 2>::zeros([n, d], &device);
+        for (part, toks) in comm.all_to_all(back)?.into_iter().zip(tokens) {
+            if toks.is_empty() {
+                continue;
+            }
+            let m = toks.len();
+            let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(toks, [m]), &device);
+            out = out.select_assign(0, idx, part, IndexingUpdateOp::Add);
+        }
+        Ok(out)
+    }
+}
+
+/// This rank's routed experts on `x` `[m, d]`: `slots` are `(row, global expert id, weight)` for the experts this
+/// rank holds (others are skipped); each expert runs once on its rows, as [`crate::moe::Moe::forward`] does.
+/// Returns `[m, d]`, the weighted expert outputs summed per row.
+fn run_local_experts<B: Backend>(
+    sharded: &ShardedMoe<B>,
+    x: Tensor<B, 2>,
+    slots: impl Iterator<Item = (usize, usize, f32)>,
+) -> Tensor<B, 2> {
+    let device = x.device();
+    let moe = &sharded.moe;
+    let local = sharded.first_expert..sharded.first_expert + moe.experts.len();
+    // Rows and weights per local expert, in row order.
+    let mut per_expert: Vec<(Vec<i64>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); moe.experts.len()];
+    for (row, e, w) in slots.filter(|(_, e, _)| local.contains(e)) {
+        per_expert[e - local.start].0.push(row as i64);
+        per_expert[e - local.start].1.push(w);
+    }
+    let mut out = Tensor::<B, 2>::zeros(x.dims(), &device);
+    for (expert, (rows, weights)) in moe.experts.iter().zip(per_expert) {
+        if rows.is_empty() {
+            continue;
+        }
+        let m = rows.len();
+        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [m]), &device);
+        // [m, d]
+        let xe = x.clone().select(0, idx.clone());
+        let w = Tensor::<B, 2>::from_data(TensorData::new(weights, [m, 1]), &device);
+        out = out.select_assign(0, idx, expert.forward(xe) * w, IndexingUpdateOp::Add);
+    }
+    out
+}
+
+/// A tensor's values on the host, row-major.
+fn host_rows<B: Backend>(t: Tensor<B, 2>) -> Result<Vec<f32>> {
+    t.into_data()
+        .convert::<f32>()
+        .to_vec::<f32>()
+        .map_err(|e| ModelError::Input { message: format!("cannot read a tensor to the host: {e:?}") })
+}

@@ -1,0 +1,205 @@
+//! Tensor and expert parallelism on the CPU (issue 7): every rank of a [`LocalCommunicator`] group runs its
+//! [`ShardedDeepseekV3`] shard in its own thread, and the logits (the same on every rank, bit for bit) must equal
+//! the unsharded model's within `max|a-b| / max|b| <= 1e-5` on the committed fixtures, for every 2-, 4- and 8-way
+//! split the fixture's heads, intermediate sizes and experts allow (tp alone, ep alone, and tp x ep). Also the
+//! collectives' semantics and their errors (a shape mismatch is an error on every rank, not a panic or a hang).
+
+mod common;
+
+use common::{fixture, host, ids, scaled_error};
+
+use burn::backend::Flex;
+use burn::tensor::{Tensor, TensorData};
+use eyrie_model::DeepseekV3;
+use eyrie_model::error::ModelError;
+use eyrie_model::parallel::{Communicator, ExpertDispatch, LocalCommunicator, ShardSpec, ShardedDeepseekV3};
+use eyrie_model::quant::SafetensorsFile;
+
+const TOLERANCE: f32 = 1e-5;
+
+/// Runs `f(rank, comm)` on every rank of a new group of `world`, one thread each; results in rank order.
+fn on_ranks<T: Send>(world: usize, f: impl Fn(usize, LocalCommunicator) -> T + Sync) -> Vec<T> {
+    let f = &f;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = LocalCommunicator::group(world)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, comm)| scope.spawn(move || f(rank, comm)))
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
+    })
+}
+
+/// Two prompt rows of equal length from the fixture's reference file.
+fn prompt_rows(name: &str) -> Vec<Vec<u32>> {
+    let reference = SafetensorsFile::open(fixture(name).join("reference.safetensors")).unwrap();
+    let (a, b) = (ids(&reference, "tokens.0"), ids(&reference, "tokens.1"));
+    let len = a.len().min(b.len());
+    vec![a[..len].to_vec(), b[..len].to_vec()]
+}
+
+/// Sharded logits of every rank for `rows`.
+fn sharded_logits(shards: Vec<ShardedDeepseekV3<Flex>>, rows: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    let world = shards[0].spec.world();
+    let shards: Vec<_> = shards.into_iter().map(std::sync::Mutex::new).collect();
+    on_ranks(world, |rank, comm| {
+        let shard = shards[rank].lock().unwrap();
+        let device = Default::default();
+        let flat: Vec<i64> = rows.iter().flatten().map(|&t| i64::from(t)).collect();
+        let tokens = Tensor::from_data(TensorData::new(flat, [rows.len(), rows[0].len()]), &device);
+        host(shard.forward(tokens, &comm).unwrap_or_else(|e| panic!("rank {rank}: {e}")))
+    })
+}
+
+/// Every split of `name` among 2/4/8-way tp, ep and tp x ep that its config allows; returns (tp, ep, error).
+fn check_fixture(name: &str, must_run: &[(usize, usize)]) -> Vec<(usize, usize, f32)> {
+    let device = Default::default();
+    let full = DeepseekV3::<Flex>::load(fixture(name), &device).unwrap();
+    let rows = prompt_rows(name);
+    let refs: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
+    let want = host(full.forward(full.token_tensor(&refs, &device).unwrap()));
+    let ways = [1, 2, 4, 8];
+    let mut results = Vec::new();
+    for tp in ways {
+        for ep in ways {
+            if tp * ep == 1 || (tp > 1 && ep > 1 && tp != ep && tp.max(ep) / tp.min(ep) > 2) {
+                continue;
+            }
+            let world = tp.max(ep);
+            let specs: Vec<ShardSpec> = (0..world).map(|rank| ShardSpec { rank, tp, ep }).collect();
+            if specs[0].validate(&full.config).is_err() {
+                assert!(!must_run.contains(&(tp, ep)), "{name}: tp {tp} ep {ep} should be a valid split");
+                continue;
+            }
+            for dispatch in [ExpertDispatch::AllReduce, ExpertDispatch::AllToAll] {
+                if ep == 1 && dispatch == ExpertDispatch::AllToAll {
+                    continue;
+                }
+                let shards = specs
+                    .iter()
+                    .map(|&s| ShardedDeepseekV3 { dispatch, ..ShardedDeepseekV3::from_full(&full, s).unwrap() })
+                    .collect();
+                let got = sharded_logits(shards, &rows);
+                for (rank, g) in got.iter().enumerate().skip(1) {
+                    assert!(
+                        g == &got[0],
+                        "{name} tp {tp} ep {ep} {dispatch:?}: rank {rank}'s logits differ from rank 0's"
+                    );
+                }
+                let err = scaled_error(&got[0], &want);
+                println!("{name}: tp {tp} ep {ep} {dispatch:?}: max scaled error {err:.2e}");
+                assert!(err <= TOLERANCE, "{name} tp {tp} ep {ep} {dispatch:?}: logits error {err:e}");
+                results.push((tp, ep, err));
+            }
+        }
+    }
+    for split in must_run {
+        assert!(results.iter().any(|&(t, e, _)| (t, e) == *split), "{name}: split {split:?} did not run");
+    }
+    results
+}
+
+#[test]
+fn yarn_qlora_sharded_logits_equal_unsharded() {
+    // 4 heads, 8 experts: tp 2/4, ep 2/4/8, and combined.
+    check_fixture("yarn_qlora", &[(2, 1), (4, 1), (1, 2), (1, 4), (1, 8), (2, 2), (4, 4), (2, 4), (4, 8)]);
+}
+
+#[test]
+fn v2lite_sharded_logits_equal_unsharded() {
+    // 4 heads, 6 routed experts (ep 2 only), shared intermediate 48, dense 80.
+    check_fixture("v2lite", &[(2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]);
+}
+
+#[test]
+fn int4_experts_sharded_logits_equal_unsharded() {
+    check_fixture("int4_experts", &[(2, 1), (4, 1), (1, 2), (1, 4), (1, 8), (2, 2), (4, 4)]);
+}
+
+#[test]
+fn load_reads_a_rank_shard_and_rejects_bad_splits() {
+    let device = Default::default();
+    let dir = fixture("v2lite");
+    let full = DeepseekV3::<Flex>::load(&dir, &device).unwrap();
+    let rows = prompt_rows("v2lite");
+    let refs: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
+    let want = host(full.forward(full.token_tensor(&refs, &device).unwrap()));
+    let shards = (0..2).map(|rank| ShardedDeepseekV3::<Flex>::load(&dir, rank, 2, 2, &device).unwrap()).collect();
+    let got = sharded_logits(shards, &rows);
+    assert!(scaled_error(&got[1], &want) <= TOLERANCE);
+    // 4 heads do not split 8 ways; 6 experts do not split 4 ways; tp 3 does not divide a group of 4.
+    for (tp, ep, field) in [(8, 1, "num_attention_heads"), (1, 4, "n_routed_experts"), (3, 4, "tp/ep")] {
+        match ShardedDeepseekV3::<Flex>::load(&dir, 0, tp, ep, &device).unwrap_err() {
+            ModelError::InvalidConfig { field: f, .. } => assert_eq!(f, field, "tp {tp} ep {ep}"),
+            e => panic!("tp {tp} ep {ep}: {e}"),
+        }
+    }
+    // A communicator of another group size is an input error.
+    let shard = ShardedDeepseekV3::from_full(&full, ShardSpec { rank: 0, tp: 2, ep: 1 }).unwrap();
+    let comm = LocalCommunicator::group(1).remove(0);
+    let tokens = full.token_tensor(&refs, &device).unwrap();
+    assert!(matches!(shard.forward(tokens, &comm), Err(ModelError::Input { .. })));
+}
+
+fn tensor(values: Vec<f32>, shape: [usize; 2]) -> Tensor<Flex, 2> {
+    Tensor::from_data(TensorData::new(values, shape), &Default::default())
+}
+
+#[test]
+fn collectives_reduce_gather_and_exchange_in_rank_order() {
+    let out = on_ranks(3, |rank, comm| {
+        let r = rank as f32;
+        let t = tensor(vec![r, 10.0 * r, 1.0, 2.0], [2, 2]);
+        let sum = host(comm.all_reduce_sum(t.clone()).unwrap());
+        let rows = comm.all_gather(t.clone(), 0).unwrap().dims();
+        let gathered = host(comm.all_gather(t, 1).unwrap());
+        // Rank r sends r + 1 rows of value 100 r + d to rank d.
+        let parts = (0..3).map(|d| tensor(vec![100.0 * r + d as f32; 2 * (rank + 1)], [rank + 1, 2])).collect();
+        let got = comm.all_to_all(parts).unwrap().into_iter().map(host).collect::<Vec<_>>();
+        (sum, rows, gathered, got)
+    });
+    for (rank, (sum, rows, gathered, got)) in out.into_iter().enumerate() {
+        assert_eq!(sum, vec![3.0, 30.0, 3.0, 6.0]);
+        assert_eq!(rows, [6, 2]);
+        assert_eq!(gathered, vec![0.0, 0.0, 1.0, 10.0, 2.0, 20.0, 1.0, 2.0, 1.0, 2.0, 1.0, 2.0]);
+        for (src, part) in got.iter().enumerate() {
+            assert_eq!(part, &vec![100.0 * src as f32 + rank as f32; 2 * (src + 1)], "rank {rank} from {src}");
+        }
+    }
+}
+
+#[test]
+fn mismatched_collectives_are_errors_on_every_rank() {
+    let out = on_ranks(2, |rank, comm| {
+        let reduce = <LocalCommunicator as Communicator<Flex>>::all_reduce_sum(
+            &comm,
+            tensor(vec![1.0; 2 + 2 * rank], [1 + rank, 2]),
+        )
+        .unwrap_err();
+        let gather = <LocalCommunicator as Communicator<Flex>>::all_gather(
+            &comm,
+            tensor(vec![1.0; 2 + 2 * rank], [1, 2 + 2 * rank]),
+            0,
+        )
+        .unwrap_err();
+        let a2a = comm.all_to_all(vec![tensor(vec![1.0; 2], [1, 2])]).unwrap_err();
+        // Different collectives in the same exchange.
+        let t = tensor(vec![1.0; 2], [1, 2]);
+        let mixed = if rank == 0 { comm.all_reduce_sum(t).unwrap_err() } else { comm.all_gather(t, 0).unwrap_err() };
+        // The group still works afterwards.
+        let ok = host(comm.all_reduce_sum(tensor(vec![1.0; 2], [1, 2])).unwrap());
+        (reduce, gather, a2a, mixed, ok)
+    });
+    for (rank, (reduce, gather, a2a, mixed, ok)) in out.into_iter().enumerate() {
+        for e in [reduce, gather, a2a, mixed] {
+            match &e {
+                ModelError::Collective { rank: r, message, .. } => {
+                    assert_eq!(*r, rank);
+                    assert!(message.contains("rank"), "{e}");
+                }
+                e => panic!("{e}"),
+            }
+        }
+        assert_eq!(ok, vec![2.0, 2.0]);
+    }
+}
