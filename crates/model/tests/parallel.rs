@@ -75,10 +75,12 @@ fn check_fixture(name: &str, must_run: &[(usize, usize)]) -> Vec<(usize, usize, 
                 if ep == 1 && dispatch == ExpertDispatch::AllToAll {
                     continue;
                 }
-                let shards = specs
+                let shards: Vec<_> = specs
                     .iter()
                     .map(|&s| ShardedDeepseekV3 { dispatch, ..ShardedDeepseekV3::from_full(&full, s).unwrap() })
                     .collect();
+                // The 256-token vocabulary splits whenever tp is the whole group.
+                assert_eq!(shards[0].vocab_split, tp > 1 && tp == world);
                 let got = sharded_logits(shards, &rows);
                 for (rank, g) in got.iter().enumerate().skip(1) {
                     assert!(
@@ -201,5 +203,20 @@ fn mismatched_collectives_are_errors_on_every_rank() {
             }
         }
         assert_eq!(ok, vec![2.0, 2.0]);
+    }
+}
+
+#[test]
+fn a_rank_that_leaves_fails_the_others_instead_of_hanging() {
+    let out = on_ranks(2, |rank, comm| {
+        if rank == 1 {
+            drop(comm);
+            return None;
+        }
+        Some(comm.all_reduce_sum(tensor(vec![1.0; 2], [1, 2])).unwrap_err())
+    });
+    match &out[0] {
+        Some(ModelError::Collective { rank: 0, message, .. }) => assert!(message.contains("rank 1 left"), "{message}"),
+        e => panic!("{e:?}"),
     }
 }

@@ -76,6 +76,8 @@ struct State {
     /// The op names of the last completed exchange, by rank (to report ranks calling different collectives).
     published_ops: Arc<Vec<&'static str>>,
     ops: Vec<&'static str>,
+    /// The first member dropped (its thread ended or panicked): every pending and later exchange fails.
+    departed: Option<usize>,
 }
 
 impl Rendezvous {
@@ -85,6 +87,14 @@ impl Rendezvous {
             || ModelError::Collective { op, rank, message: "another rank panicked inside a collective".into() };
         let mut state = self.state.lock().map_err(|_| poisoned())?;
         let generation = state.generation;
+        let departed = |other: usize| ModelError::Collective {
+            op,
+            rank,
+            message: format!("rank {other} left the group (its thread ended or panicked)"),
+        };
+        if let Some(other) = state.departed {
+            return Err(departed(other));
+        }
         if state.slots[rank].is_some() {
             return Err(ModelError::Collective {
                 op,
@@ -102,6 +112,9 @@ impl Rendezvous {
             self.arrived.notify_all();
         } else {
             while state.generation == generation {
+                if let Some(other) = state.departed {
+                    return Err(departed(other));
+                }
                 state = self.arrived.wait(state).map_err(|_| poisoned())?;
             }
         }
@@ -119,9 +132,10 @@ impl Rendezvous {
 /// One rank of an in-process group: N ranks run as N threads of one process and exchange tensors through host
 /// memory. Make the group with [`LocalCommunicator::group`] and move one member into each rank's thread.
 ///
-/// Every rank must call the same collectives in the same order; a rank that never calls leaves the others waiting
-/// (as with NCCL). A rank that panics inside a collective makes the others' calls fail.
-#[derive(Debug, Clone)]
+/// Every rank must call the same collectives in the same order; a rank that never calls while it lives leaves the
+/// others waiting (as with NCCL). Dropping a member (its thread ends or panics) makes the other ranks' pending and
+/// later calls fail instead of hang, so a member is not `Clone`.
+#[derive(Debug)]
 pub struct LocalCommunicator {
     rank: usize,
     shared: Arc<Rendezvous>,
@@ -139,6 +153,7 @@ impl LocalCommunicator {
                 published: Arc::new(Vec::new()),
                 published_ops: Arc::new(Vec::new()),
                 ops: vec![""; world],
+                departed: None,
             }),
             arrived: Condvar::new(),
         });
@@ -147,6 +162,14 @@ impl LocalCommunicator {
 
     fn error(&self, op: &'static str, message: String) -> ModelError {
         ModelError::Collective { op, rank: self.rank, message }
+    }
+}
+
+impl Drop for LocalCommunicator {
+    fn drop(&mut self) {
+        let mut state = self.shared.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        state.departed.get_or_insert(self.rank);
+        self.shared.arrived.notify_all();
     }
 }
 

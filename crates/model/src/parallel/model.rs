@@ -13,7 +13,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::comm::Communicator;
-use super::shard::{ShardSpec, ShardedMoe, shard_mla, shard_mlp, shard_moe};
+use super::shard::{ShardSpec, ShardedMoe, rows, shard_mla, shard_mlp, shard_moe};
 use crate::config::ModelConfig;
 use crate::deepseek_v3::{DeepseekV3, FeedForward};
 use crate::error::{ModelError, Result};
@@ -73,8 +73,11 @@ pub struct ShardedDeepseekV3<B: Backend> {
     pub layers: Vec<ShardedLayer<B>>,
     /// Final norm, replicated.
     pub norm: RmsNorm<B>,
-    /// `lm_head`, replicated.
+    /// `lm_head`: this rank's vocabulary slice when `vocab_split`, else the whole `[vocab, d]`.
     pub lm_head: Linear<B>,
+    /// Whether `lm_head` is split by vocabulary over the group (tp ranks = the whole group, dividing the
+    /// vocabulary): each rank computes its `vocab / tp` logit columns and an all-gather joins them.
+    pub vocab_split: bool,
     /// RoPE parameters.
     pub rope: RotaryEmbedding,
     /// How routed experts get their tokens (all-reduce unless set).
@@ -96,6 +99,7 @@ impl<B: Backend> ShardedDeepseekV3<B> {
     /// `spec`'s shard of a loaded model.
     pub fn from_full(full: &DeepseekV3<B>, spec: ShardSpec) -> Result<Self> {
         spec.validate(&full.config)?;
+        let vocab_split = spec.tp > 1 && spec.tp == spec.world() && full.config.vocab_size.is_multiple_of(spec.tp);
         let layers = full
             .layers
             .iter()
@@ -115,7 +119,13 @@ impl<B: Backend> ShardedDeepseekV3<B> {
             embed_tokens: full.embed_tokens.clone(),
             layers,
             norm: full.norm.clone(),
-            lm_head: full.lm_head.clone(),
+            lm_head: if vocab_split {
+                let per = full.config.vocab_size / spec.tp;
+                rows(&full.lm_head, spec.tp_rank() * per, per)
+            } else {
+                full.lm_head.clone()
+            },
+            vocab_split,
             rope: full.rope.clone(),
             dispatch: ExpertDispatch::default(),
         })
@@ -166,7 +176,9 @@ impl<B: Backend> ShardedDeepseekV3<B> {
             };
             x = h + ffn;
         }
+        // [n, vocab] (or [n, vocab / tp] gathered)
         let logits = self.lm_head.forward(self.norm.forward(x));
+        let logits = if self.vocab_split { comm.all_gather(logits, 1)? } else { logits };
         Ok(logits.reshape([b, s, self.config.vocab_size]))
     }
 

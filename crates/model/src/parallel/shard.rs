@@ -14,7 +14,8 @@
 //!   is replicated, so every rank makes the same routing decisions; each rank runs its experts on the tokens
 //!   routed to them and the partial outputs are combined by the same all-reduce as the shared expert's (the
 //!   simplest correct EP; an all-to-all token dispatch is the optimization).
-//! - embeddings, final norm and `lm_head` replicated.
+//! - embeddings and the final norm replicated; `lm_head` vocab-split (rows by token id, logits all-gathered) when
+//!   `tp` is the whole group and divides the vocabulary, replicated otherwise.
 //!
 //! The group has `world = max(tp, ep)` ranks and both must divide it (so `tp == ep`, or one of them is 1, or e.g.
 //! `tp = 2, ep = 4`). A part split `k < world` ways is held by rank `r` as shard `r % k`, and only ranks `< k` add
@@ -108,7 +109,7 @@ impl ShardSpec {
 }
 
 /// Rows `start..start + len` of `W` (`[out, in]`): the output slice.
-fn rows<B: Backend>(l: &Linear<B>, start: usize, len: usize) -> Linear<B> {
+pub(crate) fn rows<B: Backend>(l: &Linear<B>, start: usize, len: usize) -> Linear<B> {
     // weight_t [in, out]
     Linear { weight_t: l.weight_t.clone().narrow(1, start, len) }
 }
