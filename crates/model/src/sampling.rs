@@ -137,17 +137,7 @@ impl SamplingParams {
         order.sort_by(by_prob);
         if let Some(top_p) = self.top_p.filter(|&p| p < 1.0) {
             let total: f64 = order.iter().map(|&i| probs[i]).sum();
-            let target = f64::from(top_p) * total;
-            let mut mass = 0.0;
-            let mut n = 0;
-            for &i in &order {
-                mass += probs[i];
-                n += 1;
-                if mass >= target {
-                    break;
-                }
-            }
-            order.truncate(n.max(1));
+            keep_mass(&mut order, probs, f64::from(top_p) * total);
         }
         if let Some(min_p) = self.min_p.filter(|&p| p > 0.0)
             && let Some(&top) = order.first()
@@ -274,10 +264,15 @@ pub fn nucleus(probs: &[f64], top_p: f32) -> Vec<usize> {
     if top_p >= 1.0 {
         return order;
     }
-    let target = f64::from(top_p);
+    keep_mass(&mut order, probs, f64::from(top_p));
+    order
+}
+
+/// Keeps the shortest prefix of `order` (most probable first) whose mass reaches `target`; at least one index.
+fn keep_mass(order: &mut Vec<usize>, probs: &[f64], target: f64) {
     let mut mass = 0.0;
     let mut n = 0;
-    for &i in &order {
+    for &i in order.iter() {
         mass += probs[i];
         n += 1;
         if mass >= target {
@@ -285,7 +280,6 @@ pub fn nucleus(probs: &[f64], top_p: f32) -> Vec<usize> {
         }
     }
     order.truncate(n.max(1));
-    order
 }
 
 /// xoshiro256** (Blackman and Vigna), seeded through splitmix64: small, fast, and the same on every platform.

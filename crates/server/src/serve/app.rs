@@ -290,8 +290,24 @@ fn sse_from_channel(rx: mpsc::Receiver<SseEvent>) -> SseStream {
     Sse::new(Box::pin(stream) as futures_util::stream::BoxStream<'static, _>).keep_alive(KeepAlive::default())
 }
 
-fn error_event(e: &ApiError) -> SseEvent {
-    sse_json(&e.body())
+/// The end of a stream: the chunk that carries `finish_reason`, the usage chunk when asked for, then `[DONE]`
+/// (stops early when the client is gone).
+async fn end_stream<T: serde::Serialize>(tx: &mpsc::Sender<SseEvent>, finish: T, usage: Option<T>) {
+    if tx.send(sse_json(&finish)).await.is_err() {
+        return;
+    }
+    if let Some(usage) = usage
+        && tx.send(sse_json(&usage)).await.is_err()
+    {
+        return;
+    }
+    let _ = tx.send(SseEvent::default().data("[DONE]")).await;
+}
+
+/// A stream whose request failed in the engine: an OpenAI error object, then `[DONE]`.
+async fn fail_stream(tx: &mpsc::Sender<SseEvent>, why: String) {
+    let _ = tx.send(sse_json(&ApiError::internal(why).body())).await;
+    let _ = tx.send(SseEvent::default().data("[DONE]")).await;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -483,25 +499,15 @@ fn stream_chat(
                         return;
                     }
                     let finish = finish_reason(reason, parser.stopped(), !parser.tool_calls().is_empty());
-                    if tx.send(sse_json(&chunk(ChatDelta::default(), None, Some(finish)))).await.is_err() {
-                        return;
-                    }
-                    if params.include_usage {
+                    let usage = params.include_usage.then(|| {
                         let mut last = chunk(ChatDelta::default(), None, None);
                         last.choices.clear();
                         last.usage = Some(Usage::new(prompt_tokens, completion_tokens, cached_tokens));
-                        if tx.send(sse_json(&last)).await.is_err() {
-                            return;
-                        }
-                    }
-                    let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-                    return;
+                        last
+                    });
+                    return end_stream(&tx, chunk(ChatDelta::default(), None, Some(finish)), usage).await;
                 }
-                Some(Event::Failed(why)) => {
-                    let _ = tx.send(error_event(&ApiError::internal(why))).await;
-                    let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-                    return;
-                }
+                Some(Event::Failed(why)) => return fail_stream(&tx, why).await,
                 None => return,
             };
             if sent.is_err() {
@@ -674,25 +680,15 @@ fn stream_completion(
                 Some(Event::Finished { reason, prompt_tokens, completion_tokens, cached_tokens }) => {
                     let text = parser.finish().content;
                     let finish = finish_reason(reason, parser.stopped(), false);
-                    if tx.send(sse_json(&chunk(text, None, Some(finish)))).await.is_err() {
-                        return;
-                    }
-                    if params.include_usage {
+                    let usage = params.include_usage.then(|| {
                         let mut last = chunk(String::new(), None, None);
                         last.choices.clear();
                         last.usage = Some(Usage::new(prompt_tokens, completion_tokens, cached_tokens));
-                        if tx.send(sse_json(&last)).await.is_err() {
-                            return;
-                        }
-                    }
-                    let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-                    return;
+                        last
+                    });
+                    return end_stream(&tx, chunk(text, None, Some(finish)), usage).await;
                 }
-                Some(Event::Failed(why)) => {
-                    let _ = tx.send(error_event(&ApiError::internal(why))).await;
-                    let _ = tx.send(SseEvent::default().data("[DONE]")).await;
-                    return;
-                }
+                Some(Event::Failed(why)) => return fail_stream(&tx, why).await,
                 None => return,
             };
             if sent.is_err() {
