@@ -1,5 +1,7 @@
 //! Speculative decoding benchmark (`cargo xtask bench spec`): tokens/s of greedy decoding with and without
-//! speculation, mean accepted length and per-position acceptance, on a fixture target on the CPU (burn `Flex`).
+//! speculation, mean accepted length and per-position acceptance, on a fixture target on the CPU (burn `Flex`), or
+//! on CUDA device 0 when built with `--features cuda` (the GPU machine: build here, carry the binary, pass
+//! `--model` and `--drafter`).
 //!
 //! Rows, all on the same prompts, one sequence at a time, every output checked token for token against plain
 //! greedy decoding:
@@ -17,6 +19,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+#[cfg(not(feature = "cuda"))]
 use burn::backend::Flex;
 use eyrie_model::DeepseekV3;
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
@@ -24,7 +27,14 @@ use eyrie_model::sampling::{SamplingParams, argmax};
 use eyrie_spec_decode::{AcceptanceStats, DraftFormat, Drafter, Eagle3Drafter, SelfDrafter, SpecDecoder};
 use serde_json::{Value, json};
 
+#[cfg(not(feature = "cuda"))]
 type B = Flex;
+#[cfg(feature = "cuda")]
+type B = burn::backend::Cuda;
+#[cfg(not(feature = "cuda"))]
+const DEVICE: &str = "cpu (burn Flex)";
+#[cfg(feature = "cuda")]
+const DEVICE: &str = "cuda:0 (burn Cuda)";
 type Error = Box<dyn std::error::Error>;
 
 const BLOCK: usize = 16;
@@ -193,7 +203,7 @@ fn main() -> Result<(), Error> {
 
     let base = total / rows[0].seconds;
     println!(
-        "speculative decoding, CPU (burn Flex), target {}, {} prompts x {n} new tokens, greedy, batch 1, best of {}",
+        "speculative decoding, {DEVICE}, target {}, {} prompts x {n} new tokens, greedy, batch 1, best of {}",
         args.model.display(),
         prompts.len(),
         args.reps
@@ -242,7 +252,7 @@ fn main() -> Result<(), Error> {
     if let Some(path) = &args.json {
         let doc: Value = json!({
             "bench": "spec",
-            "device": "cpu (burn Flex)",
+            "device": DEVICE,
             "target": args.model.display().to_string(),
             "drafter": args.drafter.display().to_string(),
             "prompts": prompts.len(),
