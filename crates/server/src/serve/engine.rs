@@ -731,6 +731,8 @@ where
                     return;
                 }
             };
+            // Gauges (KV blocks, ...) are right before anyone is told the engine is up.
+            engine.publish();
             ready.store(true, Ordering::SeqCst);
             let _ = loaded.send(Ok(()));
             engine.run(rx);
