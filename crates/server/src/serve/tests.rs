@@ -351,8 +351,16 @@ async fn a_client_that_disconnects_mid_stream_frees_its_blocks() {
     let first = body.frame().await.unwrap().unwrap();
     assert!(first.is_data());
     drop(body);
+    // The gauges may still be the idle ones from before the request: wait for the cancellation itself.
+    let cancelled = || s.state.metrics.requests_cancelled.load(std::sync::atomic::Ordering::Relaxed);
+    for _ in 0..500 {
+        if cancelled() >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(cancelled(), 1);
     wait_idle(&s.state).await;
-    assert_eq!(s.state.metrics.requests_cancelled.load(std::sync::atomic::Ordering::Relaxed), 1);
     assert!(s.state.metrics.generation_tokens.load(std::sync::atomic::Ordering::Relaxed) < 20000);
 }
 
