@@ -708,35 +708,32 @@ pub fn spawn<B: Backend, F>(
     rx: Receiver<Message>,
     ready: Arc<AtomicBool>,
     loaded: Sender<anyhow::Result<()>>,
-) -> std::thread::JoinHandle<()>
+) -> std::io::Result<std::thread::JoinHandle<()>>
 where
     F: FnOnce() -> anyhow::Result<Engine<B>> + Send + 'static,
 {
-    std::thread::Builder::new()
-        .name("eyrie-engine".into())
-        .spawn(move || {
-            let engine = catch_unwind(AssertUnwindSafe(|| {
-                let mut engine = load()?;
-                engine.warm_up()?;
-                anyhow::Ok(engine)
-            }));
-            let engine = match engine {
-                Ok(Ok(e)) => e,
-                Ok(Err(e)) => {
-                    let _ = loaded.send(Err(e));
-                    return;
-                }
-                Err(_) => {
-                    let _ = loaded.send(Err(anyhow::anyhow!("the engine panicked while loading the model")));
-                    return;
-                }
-            };
-            // Gauges (KV blocks, ...) are right before anyone is told the engine is up.
-            engine.publish();
-            ready.store(true, Ordering::SeqCst);
-            let _ = loaded.send(Ok(()));
-            engine.run(rx);
-            ready.store(false, Ordering::SeqCst);
-        })
-        .expect("spawning the engine thread")
+    std::thread::Builder::new().name("eyrie-engine".into()).spawn(move || {
+        let engine = catch_unwind(AssertUnwindSafe(|| {
+            let mut engine = load()?;
+            engine.warm_up()?;
+            anyhow::Ok(engine)
+        }));
+        let engine = match engine {
+            Ok(Ok(e)) => e,
+            Ok(Err(e)) => {
+                let _ = loaded.send(Err(e));
+                return;
+            }
+            Err(_) => {
+                let _ = loaded.send(Err(anyhow::anyhow!("the engine panicked while loading the model")));
+                return;
+            }
+        };
+        // Gauges (KV blocks, ...) are right before anyone is told the engine is up.
+        engine.publish();
+        ready.store(true, Ordering::SeqCst);
+        let _ = loaded.send(Ok(()));
+        engine.run(rx);
+        ready.store(false, Ordering::SeqCst);
+    })
 }

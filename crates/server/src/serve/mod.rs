@@ -236,7 +236,8 @@ fn launch<B: Backend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Devic
         rx,
         ready,
         loaded_tx,
-    );
+    )
+    .context("starting the engine thread")?;
     Ok(Launch { state, tx, engine_thread, loaded })
 }
 
