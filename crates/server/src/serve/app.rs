@@ -33,6 +33,12 @@ const SSE_BUFFER: usize = 8;
 /// Largest request body accepted (413 above).
 pub const MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
 
+/// An oversized body up to this size is read and discarded before the 413 goes out, as nginx's lingering close
+/// does: closing a socket with unread data resets it, and the client then sees a reset instead of the 413.
+const MAX_DRAIN_BYTES: u64 = 4 * MAX_BODY_BYTES as u64;
+/// How long draining an oversized body may take.
+const DRAIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// What every handler shares.
 #[derive(Debug)]
 pub struct AppState {
@@ -70,10 +76,39 @@ pub fn app(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .fallback(|req: Request| async move { ApiError::not_found(req.uri().path()) })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn(reject_oversized))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(|_: Box<dyn std::any::Any + Send>| {
             ApiError::internal("a request handler panicked").into_response()
         }))
         .with_state(state)
+}
+
+/// Answers 413 to a body whose declared length is over [`MAX_BODY_BYTES`], after draining it (bounded by
+/// [`MAX_DRAIN_BYTES`] and [`DRAIN_TIMEOUT`]) so that the client reads the answer. Bodies without a declared length
+/// are cut at the limit by `DefaultBodyLimit`.
+async fn reject_oversized(req: Request, next: Next) -> Response {
+    let declared = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let Some(len) = declared.filter(|&n| n > MAX_BODY_BYTES as u64) else {
+        return next.run(req).await;
+    };
+    if len <= MAX_DRAIN_BYTES {
+        let mut body = req.into_body().into_data_stream();
+        let _ = tokio::time::timeout(DRAIN_TIMEOUT, async move {
+            while let Some(Ok(_)) = futures_util::StreamExt::next(&mut body).await {}
+        })
+        .await;
+    }
+    let mut response = ApiError::with_status(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        format!("the request body is {len} bytes; at most {MAX_BODY_BYTES} are accepted"),
+    )
+    .into_response();
+    response.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+    response
 }
 
 async fn auth(State(state): State<Shared>, headers: HeaderMap, req: Request, next: Next) -> Response {
