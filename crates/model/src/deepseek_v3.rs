@@ -305,7 +305,7 @@ impl<B: Backend> DeepseekV3<B> {
             spans.push(SeqSpan { seq: &*e.seq, row, start: e.seq.len, len: e.tokens.len() });
             row += e.tokens.len();
         }
-        let tables = self.batch_rope_tables(&spans, device);
+        let tables = batch_rope_tables(&self.rope, &spans, device);
         // captured[i] = the state at capture id i (input of layer i, or the final normed state at i = L).
         let mut captured: Vec<Option<Tensor<B, 2>>> = vec![None; if capture.is_empty() { 0 } else { num_layers + 1 }];
         // [N, d]
@@ -340,22 +340,6 @@ impl<B: Backend> DeepseekV3<B> {
         }
         let hidden = capture.iter().map(|&i| captured[i].clone().expect("every capture id was recorded")).collect();
         Ok((self.lm_head.forward(normed), hidden))
-    }
-
-    /// RoPE tables with one row per flattened new token, at that token's own position.
-    fn batch_rope_tables(&self, spans: &[SeqSpan<'_>], device: &B::Device) -> RopeTables<B> {
-        let half = self.rope.inv_freq.len();
-        let n: usize = spans.iter().map(|s| s.len).sum();
-        let (mut cos, mut sin) = (Vec::with_capacity(n * half), Vec::with_capacity(n * half));
-        for span in spans {
-            let (c, s) = self.rope.host_tables(span.start, span.len);
-            cos.extend(c);
-            sin.extend(s);
-        }
-        RopeTables {
-            cos: Tensor::from_data(TensorData::new(cos, [n, half]), device),
-            sin: Tensor::from_data(TensorData::new(sin, [n, half]), device),
-        }
     }
 
     /// Greedy decoding of `n` tokens after `prompt` (no end-of-sequence stop), re-running the full forward at each
@@ -458,4 +442,24 @@ fn load_layer<B: Backend>(
         ),
         mlp: ffn,
     })
+}
+
+/// RoPE tables with one row per flattened new token of `spans`, at that token's own position.
+pub(crate) fn batch_rope_tables<B: Backend>(
+    rope: &RotaryEmbedding,
+    spans: &[SeqSpan<'_>],
+    device: &B::Device,
+) -> RopeTables<B> {
+    let half = rope.inv_freq.len();
+    let n: usize = spans.iter().map(|s| s.len).sum();
+    let (mut cos, mut sin) = (Vec::with_capacity(n * half), Vec::with_capacity(n * half));
+    for span in spans {
+        let (c, s) = rope.host_tables(span.start, span.len);
+        cos.extend(c);
+        sin.extend(s);
+    }
+    RopeTables {
+        cos: Tensor::from_data(TensorData::new(cos, [n, half]), device),
+        sin: Tensor::from_data(TensorData::new(sin, [n, half]), device),
+    }
 }

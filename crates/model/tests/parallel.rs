@@ -11,7 +11,9 @@ use common::{fixture, host, ids, scaled_error};
 use burn::backend::Flex;
 use burn::tensor::{Tensor, TensorData};
 use eyrie_model::DeepseekV3;
+use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::error::ModelError;
+use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
 use eyrie_model::parallel::{Communicator, ExpertDispatch, LocalCommunicator, ShardSpec, ShardedDeepseekV3};
 use eyrie_model::quant::SafetensorsFile;
 
@@ -141,6 +143,79 @@ fn load_reads_a_rank_shard_and_rejects_bad_splits() {
     let comm = LocalCommunicator::group(1).remove(0);
     let tokens = full.token_tensor(&refs, &device).unwrap();
     assert!(matches!(shard.forward(tokens, &comm), Err(ModelError::Input { .. })));
+}
+
+/// The unsharded model's batched cached steps: a prefill of two prompts of different lengths in one batch, then
+/// greedy decode steps of both; returns each step's logits (`[batch, vocab]`, last rows) and the tokens fed.
+fn cached_steps(full: &DeepseekV3<Flex>, prompts: &[Vec<u32>], steps: usize) -> (Vec<Vec<f32>>, Vec<Vec<Vec<u32>>>) {
+    let device = Default::default();
+    let mut cache = PagedMlaCache::new(&full.config, 16, 4, &device).unwrap();
+    let mut seqs = vec![SequenceCache::default(); prompts.len()];
+    let mut inputs: Vec<Vec<u32>> = prompts.to_vec();
+    let (mut all_logits, mut fed) = (Vec::new(), Vec::new());
+    for _ in 0..=steps {
+        let mut batch: Vec<BatchEntry<'_>> =
+            seqs.iter_mut().zip(&inputs).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
+        let logits = host(full.forward_batch(&mut batch, &mut cache, LogitRows::Last, &device).unwrap());
+        let vocab = full.config.vocab_size;
+        fed.push(inputs.clone());
+        inputs = logits
+            .chunks_exact(vocab)
+            .map(|row| vec![row.iter().enumerate().fold(0, |b, (i, v)| if *v > row[b] { i } else { b }) as u32])
+            .collect();
+        all_logits.push(logits);
+    }
+    (all_logits, fed)
+}
+
+#[test]
+fn sharded_cached_batched_steps_equal_unsharded() {
+    let device = Default::default();
+    let full = DeepseekV3::<Flex>::load(fixture("yarn_qlora"), &device).unwrap();
+    let rows = prompt_rows("yarn_qlora");
+    // Different lengths, so the batch mixes positions (and pages: block size 4).
+    let prompts = vec![rows[0].clone(), rows[1][..rows[1].len() - 3].to_vec()];
+    let (want, fed) = cached_steps(&full, &prompts, 4);
+    for (tp, ep, dispatch) in [
+        (2, 1, ExpertDispatch::AllReduce),
+        (1, 2, ExpertDispatch::AllReduce),
+        (2, 2, ExpertDispatch::AllToAll),
+        (4, 4, ExpertDispatch::AllReduce),
+        (2, 4, ExpertDispatch::AllToAll),
+    ] {
+        let world = tp.max(ep);
+        let shards: Vec<_> = (0..world)
+            .map(|rank| ShardedDeepseekV3 {
+                dispatch,
+                ..ShardedDeepseekV3::from_full(&full, ShardSpec { rank, tp, ep }).unwrap()
+            })
+            .map(std::sync::Mutex::new)
+            .collect();
+        let got = on_ranks(world, |rank, comm| {
+            let shard = shards[rank].lock().unwrap();
+            let device = Default::default();
+            let mut cache = PagedMlaCache::new(&full.config, 16, 4, &device).unwrap();
+            let mut seqs = vec![SequenceCache::default(); prompts.len()];
+            let mut steps = Vec::new();
+            for inputs in &fed {
+                let mut batch: Vec<BatchEntry<'_>> =
+                    seqs.iter_mut().zip(inputs).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
+                let logits = shard.forward_batch(&mut batch, &mut cache, LogitRows::Last, &comm, &device);
+                steps.push(host(logits.unwrap_or_else(|e| panic!("rank {rank}: {e}"))));
+            }
+            (steps, seqs.iter().map(|s| s.len).collect::<Vec<_>>(), cache.free_blocks())
+        });
+        for (rank, (steps, lens, free)) in got.iter().enumerate() {
+            assert_eq!(steps, &got[0].0, "tp {tp} ep {ep}: rank {rank}'s logits differ from rank 0's");
+            assert_eq!(lens, &vec![prompts[0].len() + 4, prompts[1].len() + 4]);
+            assert_eq!(*free, got[0].2);
+        }
+        for (step, (g, w)) in got[0].0.iter().zip(&want).enumerate() {
+            let err = scaled_error(g, w);
+            assert!(err <= TOLERANCE, "tp {tp} ep {ep} {dispatch:?} step {step}: logits error {err:e}");
+        }
+        println!("yarn_qlora cached: tp {tp} ep {ep} {dispatch:?}: {} steps equal", fed.len());
+    }
 }
 
 fn tensor(values: Vec<f32>, shape: [usize; 2]) -> Tensor<Flex, 2> {

@@ -163,6 +163,15 @@ impl LocalCommunicator {
     fn error(&self, op: &'static str, message: String) -> ModelError {
         ModelError::Collective { op, rank: self.rank, message }
     }
+
+    /// Exchanges shapes only (no data) through the rendezvous: every rank's list, in rank order. What a device
+    /// communicator checks before it starts a collective.
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn exchange_shapes(&self, op: &'static str, shapes: Vec<[usize; 2]>) -> Result<Vec<Vec<[usize; 2]>>> {
+        let payload = shapes.into_iter().map(|shape| HostTensor { shape, data: Vec::new() }).collect();
+        let all = self.shared.exchange(self.rank, op, payload)?;
+        Ok(all.iter().map(|p| p.iter().map(|t| t.shape).collect()).collect())
+    }
 }
 
 impl Drop for LocalCommunicator {

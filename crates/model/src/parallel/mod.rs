@@ -3,13 +3,17 @@
 //! with its forward ([`model`]: [`ShardedDeepseekV3`]).
 //!
 //! The CPU communicator runs N ranks as N threads so the sharding logic is tested in CI
-//! (`tests/parallel.rs`: sharded logits equal the unsharded model's); an NCCL communicator implements the same
-//! trait for GPUs.
+//! (`tests/parallel.rs`: sharded logits equal the unsharded model's); [`nccl`] (feature `nccl`) implements the same
+//! trait over NCCL for the CUDA devices of one process.
 
 pub mod comm;
 pub mod model;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod shard;
 
 pub use comm::{Communicator, LocalCommunicator};
 pub use model::{ExpertDispatch, ShardedDeepseekV3};
+#[cfg(feature = "nccl")]
+pub use nccl::NcclCommunicator;
 pub use shard::ShardSpec;

@@ -15,8 +15,9 @@ use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 use super::comm::Communicator;
 use super::shard::{ShardSpec, ShardedMoe, rows, shard_mla, shard_mlp, shard_moe};
 use crate::config::ModelConfig;
-use crate::deepseek_v3::{DeepseekV3, FeedForward};
+use crate::deepseek_v3::{BatchEntry, DeepseekV3, FeedForward, LogitRows, batch_rope_tables};
 use crate::error::{ModelError, Result};
+use crate::kv_cache::{PagedMlaCache, SeqSpan};
 use crate::linear::Linear;
 use crate::mla::Mla;
 use crate::mlp::Mlp;
@@ -134,6 +135,79 @@ impl<B: Backend> ShardedDeepseekV3<B> {
     /// Logits `[b, s, vocab]` for `tokens` `[b, s]` (ids `< vocab_size`, as [`DeepseekV3::token_tensor`] makes
     /// them), the same on every rank. Every rank of `comm`'s group calls this with the same tokens.
     pub fn forward(&self, tokens: Tensor<B, 2, Int>, comm: &impl Communicator<B>) -> Result<Tensor<B, 3>> {
+        self.check_comm(comm)?;
+        let [b, s] = tokens.dims();
+        let (d, n) = (self.config.hidden_size, b * s);
+        let device = tokens.device();
+        // [b*s] -> [n, d]
+        let mut x = self.embed_tokens.clone().select(0, tokens.reshape([n]));
+        let tables = self.rope.tables::<B>(0, s, &device);
+        for layer in &self.layers {
+            x = self.layer_step(layer, x, comm, |normed| {
+                layer.self_attn.forward(normed.reshape([b, s, d]), &self.rope, &tables).reshape([n, d])
+            })?;
+        }
+        let logits = self.logits(x, comm)?;
+        Ok(logits.reshape([b, s, self.config.vocab_size]))
+    }
+
+    /// One batched step over the paged latent cache, as [`DeepseekV3::forward_batch`] (same arguments, same
+    /// validation, same result) with this rank's shard: every rank of `comm`'s group calls it with the same
+    /// batch, each with its own `cache` and sequences (the same allocations happen on every rank, so their page
+    /// tables agree). With MLA every rank caches the full latents (see [`super::shard`]).
+    pub fn forward_batch(
+        &self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        comm: &impl Communicator<B>,
+        device: &B::Device,
+    ) -> Result<Tensor<B, 2>> {
+        self.check_comm(comm)?;
+        if batch.is_empty() || batch.iter().any(|e| e.tokens.is_empty()) {
+            return Err(ModelError::Input { message: "a batched step needs at least one token per sequence".into() });
+        }
+        let flat: Vec<u32> = batch.iter().flat_map(|e| e.tokens.iter().copied()).collect();
+        let vocab = self.config.vocab_size;
+        if let Some(&bad) = flat.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::Input {
+                message: format!("token id {bad} is outside the vocabulary (size {vocab})"),
+            });
+        }
+        cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
+        let n = flat.len();
+        let mut spans = Vec::with_capacity(batch.len());
+        let mut row = 0;
+        for e in batch.iter() {
+            spans.push(SeqSpan { seq: &*e.seq, row, start: e.seq.len, len: e.tokens.len() });
+            row += e.tokens.len();
+        }
+        let tables = batch_rope_tables(&self.rope, &spans, device);
+        let ids: Vec<i64> = flat.iter().map(|&t| i64::from(t)).collect();
+        // [N, d]
+        let mut x =
+            self.embed_tokens.clone().select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [n]), device));
+        for (i, layer) in self.layers.iter().enumerate() {
+            let cache = &mut *cache;
+            x = self.layer_step(layer, x, comm, |normed| {
+                layer.self_attn.forward_absorbed(normed, &self.rope, &tables, cache, i, &spans)
+            })?;
+        }
+        let x = match rows {
+            LogitRows::All => x,
+            LogitRows::Last => {
+                let last: Vec<i64> = spans.iter().map(|s| (s.row + s.len - 1) as i64).collect();
+                x.select(0, Tensor::from_data(TensorData::new(last, [spans.len()]), device))
+            }
+        };
+        let logits = self.logits(x, comm)?;
+        for e in batch.iter_mut() {
+            e.seq.len += e.tokens.len();
+        }
+        Ok(logits)
+    }
+
+    fn check_comm(&self, comm: &impl Communicator<B>) -> Result<()> {
         if comm.rank() != self.spec.rank || comm.world_size() != self.spec.world() {
             return Err(ModelError::Input {
                 message: format!(
@@ -145,41 +219,48 @@ impl<B: Backend> ShardedDeepseekV3<B> {
                 ),
             });
         }
-        let [b, s] = tokens.dims();
-        let (d, n) = (self.config.hidden_size, b * s);
-        let device = tokens.device();
-        // [b*s] -> [n, d]
-        let mut x = self.embed_tokens.clone().select(0, tokens.reshape([n]));
-        let tables = self.rope.tables::<B>(0, s, &device);
-        for layer in &self.layers {
-            // [b, s, d] partial over this rank's heads
-            let attn = if self.spec.tp > 1 && !self.spec.tp_contributes() {
-                Tensor::zeros([n, d], &device)
-            } else {
-                let normed = layer.input_layernorm.forward(x.clone()).reshape([b, s, d]);
-                layer.self_attn.forward(normed, &self.rope, &tables).reshape([n, d])
-            };
-            let h = x + if self.spec.tp > 1 { comm.all_reduce_sum(attn)? } else { attn };
-            // [n, d]
-            let normed = layer.post_attention_layernorm.forward(h.clone());
-            let ffn = match &layer.mlp {
-                ShardedFeedForward::Dense(mlp) => {
-                    if self.spec.tp == 1 {
-                        mlp.forward(normed)
-                    } else if self.spec.tp_contributes() {
-                        comm.all_reduce_sum(mlp.forward(normed))?
-                    } else {
-                        comm.all_reduce_sum(Tensor::zeros([n, d], &device))?
-                    }
-                }
-                ShardedFeedForward::Moe(moe) => self.moe_forward(moe, normed, comm)?,
-            };
-            x = h + ffn;
+        Ok(())
+    }
+
+    /// One decoder layer on `x` `[n, d]`: `attention` maps the normed rows to this rank's partial attention
+    /// output `[n, d]` (full-form or cached); the partial sums are all-reduced.
+    fn layer_step(
+        &self,
+        layer: &ShardedLayer<B>,
+        x: Tensor<B, 2>,
+        comm: &impl Communicator<B>,
+        attention: impl FnOnce(Tensor<B, 2>) -> Tensor<B, 2>,
+    ) -> Result<Tensor<B, 2>> {
+        let [n, d] = x.dims();
+        let device = x.device();
+        // [n, d] partial over this rank's heads. A rank without a tp shard of its own (tp < world) still runs
+        // the attention when it caches (its cache must hold the latents), but adds zeros.
+        let mut attn = attention(layer.input_layernorm.forward(x.clone()));
+        if self.spec.tp > 1 && !self.spec.tp_contributes() {
+            attn = Tensor::zeros([n, d], &device);
         }
-        // [n, vocab] (or [n, vocab / tp] gathered)
+        let h = x + if self.spec.tp > 1 { comm.all_reduce_sum(attn)? } else { attn };
+        // [n, d]
+        let normed = layer.post_attention_layernorm.forward(h.clone());
+        let ffn = match &layer.mlp {
+            ShardedFeedForward::Dense(mlp) => {
+                if self.spec.tp == 1 {
+                    mlp.forward(normed)
+                } else if self.spec.tp_contributes() {
+                    comm.all_reduce_sum(mlp.forward(normed))?
+                } else {
+                    comm.all_reduce_sum(Tensor::zeros([n, d], &device))?
+                }
+            }
+            ShardedFeedForward::Moe(moe) => self.moe_forward(moe, normed, comm)?,
+        };
+        Ok(h + ffn)
+    }
+
+    /// Final norm and `lm_head` of `x` `[m, d]` -> `[m, vocab]` (vocabulary slices gathered).
+    fn logits(&self, x: Tensor<B, 2>, comm: &impl Communicator<B>) -> Result<Tensor<B, 2>> {
         let logits = self.lm_head.forward(self.norm.forward(x));
-        let logits = if self.vocab_split { comm.all_gather(logits, 1)? } else { logits };
-        Ok(logits.reshape([b, s, self.config.vocab_size]))
+        if self.vocab_split { comm.all_gather(logits, 1) } else { Ok(logits) }
     }
 
     /// The MoE block: this rank's routed experts on the tokens routed to them (see [`ExpertDispatch`]) plus
