@@ -297,20 +297,23 @@ impl Communicator<Cuda> for NcclCommunicator {
         }
         let device = parts[0].device();
         let started = self.begin(OP, &device)?;
-        let sends = parts.into_iter().map(|t| raw(t, OP, self)).collect::<Result<Vec<_>>>()?;
-        let recvs = (0..world)
-            .map(|src| output(&sends[0].tensor, all[src][self.rank][0], cols, OP, self))
+        // Empty parts take no buffer and no kernel (a zero-sized launch is a CUDA error).
+        let like = burn_cubecl::kernel::into_contiguous(parts[0].clone().into_primitive().tensor());
+        let sends = parts
+            .into_iter()
+            .map(|t| if t.dims()[0] == 0 { Ok(None) } else { raw(t, OP, self).map(Some) })
             .collect::<Result<Vec<_>>>()?;
+        let recvs = (0..world).map(|src| output(&like, all[src][self.rank][0], cols, OP, self)).collect::<Result<Vec<_>>>()?;
         self.check(OP, nccl::group_start())?;
         // The first failure inside the group; the group is closed whatever happens.
         let mut first_error = Ok(());
         for peer in 0..world {
             let (out_rows, in_rows) = (all[self.rank][peer][0], all[peer][self.rank][0]);
-            if out_rows > 0 && first_error.is_ok() {
-                // SAFETY: `sends[peer]` holds `out_rows * cols` f32 on this device, alive until `end`.
+            if let Some(send) = sends[peer].as_ref().filter(|_| first_error.is_ok()) {
+                // SAFETY: `send` holds `out_rows * cols` f32 on this device, alive until `end`.
                 first_error = self.check(OP, unsafe {
                     nccl::send(
-                        sends[peer].ptr as *const _,
+                        send.ptr as *const _,
                         out_rows * cols,
                         sys::ncclDataType_t::ncclFloat32,
                         peer as i32,
