@@ -103,7 +103,8 @@ fn check_collectives(n: usize) -> Result<Vec<String>, Error> {
         let cols = host(comm.all_gather(t, 1)?);
         say("all_gather dim 1");
         // Rank r sends r + 1 rows of value 100 r + d to rank d (uneven parts).
-        let parts = (0..n).map(|d| tensor(vec![100.0 * r + d as f32; 2 * (rank + 1)], [rank + 1, 2], &device)).collect();
+        let parts =
+            (0..n).map(|d| tensor(vec![100.0 * r + d as f32; 2 * (rank + 1)], [rank + 1, 2], &device)).collect();
         let got: Vec<Vec<f32>> = comm.all_to_all(parts)?.into_iter().map(host).collect();
         say("all_to_all");
         let mismatch = comm.all_reduce_sum(tensor(vec![1.0; 2 + 2 * rank], [1 + rank, 2], &device)).is_err();
@@ -306,7 +307,8 @@ fn run_split(
     })?;
     let ranks_identical = out.iter().all(|o| o.0 == out[0].0 && o.1 == out[0].1);
     let forward_error = scaled_error(&out[0].0, want_forward);
-    let max_error = |a: &[Vec<f32>], b: &[Vec<f32>]| a.iter().zip(b).map(|(g, w)| scaled_error(g, w)).fold(0.0f32, f32::max);
+    let max_error =
+        |a: &[Vec<f32>], b: &[Vec<f32>]| a.iter().zip(b).map(|(g, w)| scaled_error(g, w)).fold(0.0f32, f32::max);
     let cached_error = max_error(&out[0].1, want_cached);
     let cpu_error = max_error(&out[0].1, cpu_cached);
     let gpu_floor = max_error(want_cached, cpu_cached);

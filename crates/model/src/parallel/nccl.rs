@@ -303,7 +303,8 @@ impl Communicator<Cuda> for NcclCommunicator {
             .into_iter()
             .map(|t| if t.dims()[0] == 0 { Ok(None) } else { raw(t, OP, self).map(Some) })
             .collect::<Result<Vec<_>>>()?;
-        let recvs = (0..world).map(|src| output(&like, all[src][self.rank][0], cols, OP, self)).collect::<Result<Vec<_>>>()?;
+        let recvs =
+            (0..world).map(|src| output(&like, all[src][self.rank][0], cols, OP, self)).collect::<Result<Vec<_>>>()?;
         self.check(OP, nccl::group_start())?;
         // The first failure inside the group; the group is closed whatever happens.
         let mut first_error = Ok(());
