@@ -14,7 +14,9 @@ use eyrie_model::DeepseekV3;
 use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::error::ModelError;
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
-use eyrie_model::parallel::{Communicator, ExpertDispatch, LocalCommunicator, ShardSpec, ShardedDeepseekV3};
+use eyrie_model::parallel::{
+    Communicator, ExpertDispatch, LocalCommunicator, ParallelGroup, ShardSpec, ShardedDeepseekV3,
+};
 use eyrie_model::quant::SafetensorsFile;
 
 const TOLERANCE: f32 = 1e-5;
@@ -215,6 +217,54 @@ fn sharded_cached_batched_steps_equal_unsharded() {
             assert!(err <= TOLERANCE, "tp {tp} ep {ep} {dispatch:?} step {step}: logits error {err:e}");
         }
         println!("yarn_qlora cached: tp {tp} ep {ep} {dispatch:?}: {} steps equal", fed.len());
+    }
+}
+
+#[test]
+fn a_parallel_group_serves_batched_steps_like_the_unsharded_model() {
+    let device = Default::default();
+    let dir = fixture("yarn_qlora");
+    let full = DeepseekV3::<Flex>::load(&dir, &device).unwrap();
+    let rows = prompt_rows("yarn_qlora");
+    let prompts = vec![rows[0].clone(), rows[1][..rows[1].len() - 3].to_vec()];
+    let (want, fed) = cached_steps(&full, &prompts, 4);
+    for (tp, ep) in [(2, 1), (2, 2), (1, 4)] {
+        let (mut group, device) = ParallelGroup::<Flex>::load(&dir, tp, ep, &device, 16, 4).unwrap();
+        let mut cache = PagedMlaCache::new(group.config(), 16, 4, &device).unwrap();
+        let mut seqs = vec![SequenceCache::default(); prompts.len()];
+        for (step, inputs) in fed.iter().enumerate() {
+            // Bad input is refused before any rank starts, and the group keeps working.
+            let mut bad_seq = SequenceCache::default();
+            let mut bad = [BatchEntry { seq: &mut bad_seq, tokens: &[u32::MAX] }];
+            assert!(matches!(
+                group.forward_batch(&mut bad, &mut cache, LogitRows::Last, &device),
+                Err(ModelError::Input { .. })
+            ));
+            let mut batch: Vec<BatchEntry<'_>> =
+                seqs.iter_mut().zip(inputs).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
+            let got = host(group.forward_batch(&mut batch, &mut cache, LogitRows::Last, &device).unwrap());
+            let err = scaled_error(&got, &want[step]);
+            assert!(err <= TOLERANCE, "tp {tp} ep {ep} step {step}: logits error {err:e}");
+        }
+        // Pages taken only on rank 0's cache, as the unsharded model would.
+        assert_eq!(seqs[0].blocks.len(), (prompts[0].len() + 4).div_ceil(4));
+        // A full cache is an input error too, refused before the ranks start.
+        let mut long = SequenceCache::default();
+        let tokens = vec![1u32; 16 * 4];
+        let mut batch = [BatchEntry { seq: &mut long, tokens: &tokens }];
+        assert!(matches!(
+            group.forward_batch(&mut batch, &mut cache, LogitRows::Last, &device),
+            Err(ModelError::Input { .. })
+        ));
+        let mut batch: Vec<BatchEntry<'_>> = seqs.iter_mut().map(|seq| BatchEntry { seq, tokens: &[3] }).collect();
+        group.forward_batch(&mut batch, &mut cache, LogitRows::Last, &device).unwrap();
+        // Dropping the group joins its workers (the test would hang otherwise).
+        drop(group);
+    }
+    // A split the config does not allow names the field.
+    match ParallelGroup::<Flex>::load(&dir, 8, 1, &device, 16, 4).unwrap_err() {
+        ModelError::InvalidConfig { field, .. } => assert_eq!(field, "num_attention_heads"),
+        e => panic!("{e}"),
     }
 }
 

@@ -8,14 +8,16 @@ use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use eyrie_model::ModelConfig;
 use eyrie_model::device::{DeviceChoice, ResolvedDevice};
+use eyrie_model::parallel::ParallelBackend;
 
 /// Work that runs on any burn backend.
 pub trait ModelJob {
     /// What the job returns to the host.
     type Output;
 
-    /// Runs on `device` of backend `B` (`resolved` names it for messages).
-    fn run<B: Backend>(self, device: &B::Device, resolved: ResolvedDevice) -> Result<Self::Output>;
+    /// Runs on `device` of backend `B` (`resolved` names it for messages). Every backend the dispatch picks can
+    /// also span a tensor x expert parallel group.
+    fn run<B: ParallelBackend>(self, device: &B::Device, resolved: ResolvedDevice) -> Result<Self::Output>;
 }
 
 /// Resolves `choice` and runs `job` on the matching backend.

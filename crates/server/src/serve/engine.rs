@@ -16,7 +16,9 @@
 //! - with an EAGLE-3 drafter (`--speculative-*`), decode rows run through [`SpecDecoder::step`] (draft, one target
 //!   forward over every sequence's draft, lossless acceptance, KV rollback) and prompts through
 //!   [`SpecDecoder::prefill_chunks`]; a step may emit several tokens per sequence, each checked for stop conditions
-//!   in order (tokens past a stop are dropped), and a preempted sequence resumes by recomputing prompt and output.
+//!   in order (tokens past a stop are dropped), and a preempted sequence resumes by recomputing prompt and output;
+//! - with `--tp-size` / `--ep-size` the model is a [`ParallelGroup`]: this thread is rank 0 and owns the page
+//!   tables; the other ranks run in the group's threads on their own devices and mirror every step's pages.
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -29,6 +31,7 @@ use burn::tensor::backend::Backend;
 use eyrie_model::DeepseekV3;
 use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
+use eyrie_model::parallel::ParallelGroup;
 use eyrie_model::sampling::{Sampler, SamplingParams, log_softmax, top_n};
 use eyrie_spec_decode::{Eagle3Drafter, Eagle3State, SpecDecoder, SpecSequence};
 use tokio::sync::mpsc::UnboundedSender;
@@ -173,9 +176,44 @@ impl<B: Backend> Seq<B> {
     }
 }
 
+/// The model the engine runs: on one device, or spread over a tensor x expert parallel group.
+#[derive(Debug)]
+pub enum Target<B: Backend> {
+    Single(Box<DeepseekV3<B>>),
+    Parallel(Box<ParallelGroup<B>>),
+}
+
+impl<B: Backend> From<DeepseekV3<B>> for Target<B> {
+    fn from(model: DeepseekV3<B>) -> Self {
+        Target::Single(Box::new(model))
+    }
+}
+
+impl<B: Backend> Target<B> {
+    fn config(&self) -> &eyrie_model::ModelConfig {
+        match self {
+            Target::Single(m) => &m.config,
+            Target::Parallel(g) => g.config(),
+        }
+    }
+
+    fn forward_batch(
+        &mut self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        device: &B::Device,
+    ) -> eyrie_model::error::Result<burn::tensor::Tensor<B, 2>> {
+        match self {
+            Target::Single(m) => m.forward_batch(batch, cache, rows, device),
+            Target::Parallel(g) => g.forward_batch(batch, cache, rows, device),
+        }
+    }
+}
+
 /// The state the engine thread owns.
 pub struct Engine<B: Backend> {
-    model: DeepseekV3<B>,
+    target: Target<B>,
     cache: PagedMlaCache<B>,
     device: B::Device,
     config: EngineConfig,
@@ -189,7 +227,7 @@ pub struct Engine<B: Backend> {
 impl<B: Backend> Engine<B> {
     /// An engine over a loaded model, with a KV cache of `config.max_total_tokens`.
     pub fn new(
-        model: DeepseekV3<B>,
+        model: impl Into<Target<B>>,
         device: B::Device,
         config: EngineConfig,
         eos: Vec<u32>,
@@ -197,9 +235,13 @@ impl<B: Backend> Engine<B> {
         spec: Option<Speculator<B>>,
     ) -> anyhow::Result<Self> {
         let blocks = config.max_total_tokens.div_ceil(config.block_size).max(1);
-        let cache = PagedMlaCache::<B>::new(&model.config, blocks, config.block_size, &device)?;
+        let target = model.into();
+        if matches!(target, Target::Parallel(_)) && spec.is_some() {
+            anyhow::bail!("speculative decoding with --tp-size / --ep-size above 1 is not supported yet");
+        }
+        let cache = PagedMlaCache::<B>::new(target.config(), blocks, config.block_size, &device)?;
         let (waiting, running) = (VecDeque::new(), Vec::new());
-        Ok(Self { model, cache, device, config, eos, waiting, running, metrics, spec })
+        Ok(Self { target, cache, device, config, eos, waiting, running, metrics, spec })
     }
 
     /// Tokens a decode row of one sequence adds to the cache in one step (the verified drafts plus the root).
@@ -216,7 +258,7 @@ impl<B: Backend> Engine<B> {
     pub fn warm_up(&mut self) -> anyhow::Result<()> {
         let mut seq = SequenceCache::default();
         let mut batch = [BatchEntry { seq: &mut seq, tokens: &[0] }];
-        let logits = self.model.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device);
+        let logits = self.target.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device);
         self.cache.release(seq);
         to_host(logits?)?;
         Ok(())
@@ -417,7 +459,7 @@ impl<B: Backend> Engine<B> {
         if self.spec.is_some() {
             return self.step_speculative(&plan);
         }
-        let vocab = self.model.config.vocab_size;
+        let vocab = self.target.config().vocab_size;
         let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<Vec<f32>> {
             let mut caches: Vec<SequenceCache> =
                 plan.iter().map(|&(i, _)| self.running[i].cache.take().unwrap_or_default()).collect();
@@ -430,7 +472,7 @@ impl<B: Backend> Engine<B> {
                         BatchEntry { tokens: &self.running[i].tokens[start..start + n], seq }
                     })
                     .collect();
-                self.model.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device)
+                self.target.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device)
             };
             for (&(i, _), c) in plan.iter().zip(caches) {
                 self.running[i].cache = Some(c);
@@ -586,7 +628,10 @@ impl<B: Backend> Engine<B> {
         if seqs.len() != part.len() {
             return Err("a speculative sequence lost its state".into());
         }
-        let (model, cache, device) = (&self.model, &mut self.cache, &self.device);
+        let Target::Single(model) = &self.target else {
+            return Err("speculative decoding needs the model on one device".into());
+        };
+        let (cache, device) = (&mut self.cache, &self.device);
         match catch_unwind(AssertUnwindSafe(|| call(dec, model, cache, &mut seqs, device))) {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(e.to_string()),

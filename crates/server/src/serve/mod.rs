@@ -21,15 +21,15 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use burn::tensor::backend::Backend;
 use eyrie_model::DeepseekV3;
 use eyrie_model::chat::{ChatError, ChatTemplate};
 use eyrie_model::device::{DeviceChoice, ResolvedDevice};
+use eyrie_model::parallel::{ParallelBackend, ParallelGroup, ShardSpec};
 use eyrie_model::tokenizer::Tokenizer;
 
 use crate::run_model::{ModelJob, dispatch, load_config};
 pub use app::{AppState, app};
-pub use engine::{Engine, EngineConfig, Message};
+pub use engine::{Engine, EngineConfig, Message, Target};
 pub use metrics::Metrics;
 
 /// `eyrie serve` arguments (names as SGLang's where it has them).
@@ -72,18 +72,27 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_timeout: f64,
+    /// Tensor-parallel ways: attention heads, dense MLPs and shared experts split over this many devices
+    /// (`cuda:N` .. `cuda:N+tp-1`, NCCL between them; threads on the CPU). One process drives them all.
+    #[arg(long, default_value_t = 1)]
+    pub tp_size: usize,
+    /// Expert-parallel ways: routed experts split over this many devices (the group has max(tp, ep) ranks).
+    #[arg(long, default_value_t = 1)]
+    pub ep_size: usize,
     /// EAGLE-3 speculative decoding for every request (SGLang's flags).
     #[command(flatten)]
     pub speculative: crate::spec::SpeculativeArgs,
 }
 
-/// Runs the server until a signal stops it.
-pub fn run(args: ServeArgs) -> Result<()> {
+/// The checks of the arguments alone (before any file is read).
+fn run_checks(args: &ServeArgs) -> Result<()> {
     for (name, v) in [
         ("--max-running-requests", args.max_running_requests),
         ("--max-total-tokens", args.max_total_tokens),
         ("--chunked-prefill-size", args.chunked_prefill_size),
         ("--page-size", args.page_size),
+        ("--tp-size", args.tp_size),
+        ("--ep-size", args.ep_size),
     ] {
         if v == 0 {
             bail!("{name} must be at least 1");
@@ -92,6 +101,12 @@ pub fn run(args: ServeArgs) -> Result<()> {
     if !(args.shutdown_timeout.is_finite() && args.shutdown_timeout >= 0.0) {
         bail!("--shutdown-timeout must be a number of seconds >= 0");
     }
+    Ok(())
+}
+
+/// Runs the server until a signal stops it.
+pub fn run(args: ServeArgs) -> Result<()> {
+    run_checks(&args)?;
     let (dir, default_name) = match &args.model_path {
         Some(dir) => {
             let name = dir.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
@@ -112,7 +127,7 @@ struct ServeJob {
 impl ModelJob for ServeJob {
     type Output = ();
 
-    fn run<B: Backend>(self, device: &B::Device, resolved: ResolvedDevice) -> Result<()> {
+    fn run<B: ParallelBackend>(self, device: &B::Device, resolved: ResolvedDevice) -> Result<()> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
@@ -147,9 +162,16 @@ struct Launch {
 }
 
 /// Reads the front (config, tokenizer, template), then starts the engine thread, which loads the weights.
-fn launch<B: Backend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Device) -> Result<Launch> {
+fn launch<B: ParallelBackend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Device) -> Result<Launch> {
     let (config, tokenizer, template) = load_front(dir)?;
     let spec_plan = args.speculative.resolve()?;
+    let (tp, ep) = (args.tp_size, args.ep_size);
+    if tp.max(ep) > 1 {
+        if spec_plan.is_some() {
+            bail!("--speculative-algorithm with --tp-size / --ep-size above 1 is not supported yet");
+        }
+        ShardSpec { rank: 0, tp, ep }.validate(&config).context("--tp-size / --ep-size")?;
+    }
     let context_length = args
         .context_length
         .unwrap_or(config.max_position_embeddings)
@@ -192,6 +214,13 @@ fn launch<B: Backend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Devic
     let dir = dir.to_path_buf();
     let engine_thread = engine::spawn::<B, _>(
         move || {
+            if tp.max(ep) > 1 {
+                let blocks = engine_config.max_total_tokens.div_ceil(engine_config.block_size).max(1);
+                eprintln!("eyrie: loading {} ranks (tp {tp}, ep {ep}) in parallel", tp.max(ep));
+                let (group, device) = ParallelGroup::<B>::load(&dir, tp, ep, &device, blocks, engine_config.block_size)
+                    .with_context(|| format!("loading the model in {} over tp {tp} x ep {ep}", dir.display()))?;
+                return Engine::new(Target::Parallel(Box::new(group)), device, engine_config, eos, metrics, None);
+            }
             let mut last = Instant::now();
             let model = DeepseekV3::<B>::load_with_progress(&dir, &device, |p| {
                 if p.tensors_done == p.tensors_total || last.elapsed() >= Duration::from_secs(1) {
@@ -241,7 +270,7 @@ fn launch<B: Backend>(dir: &Path, name: &str, args: &ServeArgs, device: B::Devic
     Ok(Launch { state, tx, engine_thread, loaded })
 }
 
-async fn serve<B: Backend>(job: ServeJob, device: B::Device, resolved: ResolvedDevice) -> Result<()> {
+async fn serve<B: ParallelBackend>(job: ServeJob, device: B::Device, resolved: ResolvedDevice) -> Result<()> {
     let args = job.args;
     // Fail fast on a bad directory before binding.
     let listener = tokio::net::TcpListener::bind((args.host.as_str(), args.port))

@@ -470,3 +470,75 @@ async fn speculative_serving_is_token_identical_to_plain_serving() {
     let (status, body) = post(&chain.state, "/v1/completions", json!({"prompt": "x", "logprobs": 1})).await;
     assert_error(status, &body, StatusCode::BAD_REQUEST, Some("logprobs"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tensor_and_expert_parallel_serving_equals_plain_serving() {
+    // A small cache, so that the parallel engine also preempts and reuses prefix pages.
+    let small = ["--max-total-tokens", "96", "--page-size", "4"];
+    let plain = start(&small);
+    let splits = [
+        ["--tp-size", "2", "--ep-size", "1"],
+        ["--tp-size", "2", "--ep-size", "2"],
+        ["--tp-size", "1", "--ep-size", "4"],
+    ];
+    let prompts: Vec<Vec<u32>> =
+        (0..6u32).map(|i| (0..(2 + i * 5)).map(|j| (i * 31 + j * 7) % 1000).collect()).collect();
+    for split in splits {
+        let flags: Vec<&str> = small.iter().chain(split.iter()).copied().collect();
+        let server = start(&flags);
+        let mut tasks = Vec::new();
+        for p in prompts.iter().chain(prompts.iter()) {
+            let body = json!({"prompt": p, "max_tokens": 9, "temperature": 0, "ignore_eos": true});
+            let (a, b) = (plain.state.clone(), server.state.clone());
+            tasks.push(tokio::spawn(async move {
+                (post(&a, "/v1/completions", body.clone()).await, post(&b, "/v1/completions", body).await)
+            }));
+        }
+        for t in tasks {
+            let ((sa, want), (sb, got)) = t.await.unwrap();
+            assert_eq!((sa, sb), (StatusCode::OK, StatusCode::OK), "{split:?}: {want} {got}");
+            assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"], "{split:?}");
+        }
+        wait_idle(&server.state).await;
+        let (_, metrics) = call(&server.state, "GET", "/metrics", None, None).await;
+        let text = String::from_utf8(metrics).unwrap();
+        let value = |name: &str| -> f64 {
+            text.lines().find_map(|l| l.strip_prefix(name)).and_then(|v| v.trim().parse().ok()).unwrap_or(-1.0)
+        };
+        assert_eq!(value("eyrie:kv_cache_blocks_used "), 0.0, "{split:?}: every block is free\n{text}");
+        let preempted = server.state.metrics.preemptions.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(preempted > 0, "{split:?}: the small cache preempted");
+    }
+}
+
+#[test]
+fn bad_parallel_layouts_are_launch_errors_naming_the_flag() {
+    let dir = tiny::materialize().unwrap();
+    for (flags, want) in [
+        (vec!["--tp-size", "3"], "num_attention_heads"),
+        (vec!["--ep-size", "3"], "n_routed_experts"),
+        (vec!["--tp-size", "0"], "--tp-size"),
+        (
+            vec![
+                "--tp-size",
+                "2",
+                "--speculative-algorithm",
+                "EAGLE3",
+                "--speculative-draft-model-path",
+                concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/serve/tiny-drafter"),
+            ],
+            "not supported yet",
+        ),
+    ] {
+        let args = Cli::parse_from(std::iter::once("serve").chain(flags.iter().copied())).args;
+        let err = match super::run_checks(&args) {
+            Err(e) => e,
+            Ok(()) => match launch::<Flex>(&dir, tiny::NAME, &args, Default::default()) {
+                Err(e) => e,
+                Ok(_) => panic!("{flags:?} was accepted"),
+            },
+        };
+        let text = format!("{err:#}");
+        assert!(text.contains(want), "{flags:?}: {text}");
+    }
+}

@@ -1,0 +1,355 @@
+//! One process driving a whole tensor x expert parallel group ([`ParallelGroup`]): rank 0 runs in the caller's
+//! thread (the server's engine thread) and owns the KV-cache bookkeeping; ranks 1.. run in worker threads the
+//! group owns, each with its shard, its device and its own latent cache of the same geometry.
+//!
+//! A batched step: rank 0 validates the batch and reserves its pages (so nothing that can fail on bad input
+//! happens after the workers start), sends every worker the batch with rank 0's page tables, and all ranks run
+//! [`ShardedDeepseekV3::forward_batch`] together; the workers write their latents at the same page ids, so every
+//! rank's cache holds the same tokens at the same places and rank 0's prefix cache, truncation and eviction stay
+//! valid for all. Rank 0 returns the logits.
+//!
+//! Failure: a rank whose step fails (or panics) leaves the group: its communicator is dropped, so the other
+//! ranks' collectives fail instead of waiting for it, and the group answers every later step with the first
+//! failure. Dropping the group stops and joins the workers.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::thread::JoinHandle;
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+use super::comm::{Communicator, LocalCommunicator};
+use super::model::ShardedDeepseekV3;
+use super::shard::ShardSpec;
+use crate::config::ModelConfig;
+use crate::deepseek_v3::{BatchEntry, LogitRows};
+use crate::error::{ModelError, Result};
+use crate::kv_cache::{PagedMlaCache, SequenceCache};
+
+/// A communicator of any kind, as the group holds them.
+pub type BoxedCommunicator<B> = Box<dyn Communicator<B> + Send>;
+
+impl<B: Backend> Communicator<B> for BoxedCommunicator<B> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+
+    fn all_reduce_sum(&self, t: Tensor<B, 2>) -> Result<Tensor<B, 2>> {
+        (**self).all_reduce_sum(t)
+    }
+
+    fn all_gather(&self, t: Tensor<B, 2>, dim: usize) -> Result<Tensor<B, 2>> {
+        (**self).all_gather(t, dim)
+    }
+
+    fn all_to_all(&self, parts: Vec<Tensor<B, 2>>) -> Result<Vec<Tensor<B, 2>>> {
+        (**self).all_to_all(parts)
+    }
+}
+
+/// Backends a [`ParallelGroup`] can span: how to make a group's communicators and rank devices.
+pub trait ParallelBackend: Backend {
+    /// `world` communicators in rank order with each rank's device, rank 0 on `first`.
+    fn group(world: usize, first: &Self::Device) -> Result<Vec<(BoxedCommunicator<Self>, Self::Device)>>;
+}
+
+/// The CPU: every rank on the one CPU device, exchanging through host memory.
+impl ParallelBackend for burn::backend::Flex {
+    fn group(world: usize, first: &Self::Device) -> Result<Vec<(BoxedCommunicator<Self>, Self::Device)>> {
+        Ok(LocalCommunicator::group(world)
+            .into_iter()
+            .map(|c| (Box::new(c) as BoxedCommunicator<Self>, *first))
+            .collect())
+    }
+}
+
+/// CUDA: rank `r` on device `first + r`, NCCL between them.
+#[cfg(feature = "cuda")]
+impl ParallelBackend for burn::backend::Cuda {
+    fn group(world: usize, first: &Self::Device) -> Result<Vec<(BoxedCommunicator<Self>, Self::Device)>> {
+        #[cfg(feature = "nccl")]
+        {
+            let devices: Vec<usize> = (first.index..first.index + world).collect();
+            Ok(super::nccl::NcclCommunicator::group(&devices)?
+                .into_iter()
+                .map(|c| {
+                    let device = c.device();
+                    (Box::new(c) as BoxedCommunicator<Self>, device)
+                })
+                .collect())
+        }
+        #[cfg(not(feature = "nccl"))]
+        {
+            let _ = (world, first);
+            Err(ModelError::Collective {
+                op: "init",
+                rank: 0,
+                message: "this build has no NCCL support (feature `nccl` of eyrie-model)".into(),
+            })
+        }
+    }
+}
+
+/// A step as the workers get it: rank 0's page tables after reservation, and the new tokens.
+struct Job {
+    entries: Vec<(SequenceCache, Vec<u32>)>,
+    rows: LogitRows,
+}
+
+struct Worker {
+    rank: usize,
+    jobs: Option<Sender<Job>>,
+    done: Receiver<Result<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// A tensor x expert parallel model spread over the devices of one process (see the module docs).
+pub struct ParallelGroup<B: Backend> {
+    shard: ShardedDeepseekV3<B>,
+    comm: Option<BoxedCommunicator<B>>,
+    workers: Vec<Worker>,
+    /// The first failure; the group refuses every step after it.
+    broken: Option<String>,
+}
+
+impl<B: Backend> std::fmt::Debug for ParallelGroup<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ParallelGroup")
+            .field("spec", &self.shard.spec)
+            .field("workers", &self.workers.len())
+            .field("broken", &self.broken)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: ParallelBackend> ParallelGroup<B> {
+    /// Loads every rank's shard of the checkpoint in `dir` for `tp`-way tensor and `ep`-way expert parallelism,
+    /// all ranks at once, each onto its own device (rank 0 on `first`, the others as [`ParallelBackend::group`]
+    /// places them); each worker gets a latent cache of `num_blocks` x `block_size` tokens (rank 0's cache is the
+    /// caller's, of the same geometry). Returns the group and rank 0's device.
+    pub fn load(
+        dir: impl AsRef<Path>,
+        tp: usize,
+        ep: usize,
+        first: &B::Device,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<(Self, B::Device)> {
+        let dir = dir.as_ref().to_path_buf();
+        let config = ModelConfig::from_dir(&dir)?;
+        let spec0 = ShardSpec { rank: 0, tp, ep };
+        spec0.validate(&config)?;
+        let mut members = B::group(spec0.world(), first)?.into_iter();
+        let (comm0, device0) = members.next().expect("a group has rank 0");
+        let workers = members
+            .enumerate()
+            .map(|(i, (comm, device))| {
+                spawn_worker::<B>(WorkerSetup {
+                    dir: dir.clone(),
+                    spec: ShardSpec { rank: i + 1, tp, ep },
+                    comm,
+                    device,
+                    num_blocks,
+                    block_size,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let shard = ShardedDeepseekV3::load(&dir, 0, tp, ep, &device0);
+        let mut group = Self { shard: shard?, comm: Some(comm0), workers, broken: None };
+        // Every worker reports its load.
+        for w in &mut group.workers {
+            let outcome = w.done.recv().unwrap_or_else(|_| Err(worker_gone(w.rank)));
+            if let Err(e) = outcome {
+                return Err(ModelError::Collective {
+                    op: "load",
+                    rank: w.rank,
+                    message: format!("rank {} could not load its shard: {e}", w.rank),
+                });
+            }
+        }
+        Ok((group, device0))
+    }
+}
+
+impl<B: Backend> ParallelGroup<B> {
+    /// The whole model's config.
+    pub fn config(&self) -> &ModelConfig {
+        &self.shard.config
+    }
+
+    /// The group's layout (rank 0's spec).
+    pub fn spec(&self) -> ShardSpec {
+        self.shard.spec
+    }
+
+    /// One batched step of the whole group, as [`crate::DeepseekV3::forward_batch`] (same arguments, validation
+    /// and result; `cache` is rank 0's, whose pages the workers mirror).
+    pub fn forward_batch(
+        &mut self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        device: &B::Device,
+    ) -> Result<Tensor<B, 2>> {
+        if let Some(why) = &self.broken {
+            return Err(ModelError::Collective {
+                op: "step",
+                rank: 0,
+                message: format!("the parallel group stopped after a failure: {why}"),
+            });
+        }
+        // Everything that can fail on the input fails here, before any rank starts.
+        if batch.is_empty() || batch.iter().any(|e| e.tokens.is_empty()) {
+            return Err(ModelError::Input { message: "a batched step needs at least one token per sequence".into() });
+        }
+        let vocab = self.shard.config.vocab_size;
+        if let Some(&bad) = batch.iter().flat_map(|e| e.tokens.iter()).find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::Input {
+                message: format!("token id {bad} is outside the vocabulary (size {vocab})"),
+            });
+        }
+        cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
+        let entries: Vec<(SequenceCache, Vec<u32>)> =
+            batch.iter().map(|e| (e.seq.clone(), e.tokens.to_vec())).collect();
+        let mut failure = None;
+        for w in &self.workers {
+            let sent = w.jobs.as_ref().is_some_and(|j| j.send(Job { entries: entries.clone(), rows }).is_ok());
+            if !sent {
+                failure.get_or_insert_with(|| worker_gone(w.rank).to_string());
+            }
+        }
+        let mine = match &failure {
+            Some(why) => Err(ModelError::Collective { op: "step", rank: 0, message: why.clone() }),
+            None => {
+                let comm = self.comm.as_ref().expect("a working group has its communicator");
+                let shard = &self.shard;
+                catch_unwind(AssertUnwindSafe(|| shard.forward_batch(batch, cache, rows, comm, device))).unwrap_or_else(
+                    |_| Err(ModelError::Collective { op: "step", rank: 0, message: "rank 0 panicked".into() }),
+                )
+            }
+        };
+        if let Err(e) = &mine {
+            failure.get_or_insert_with(|| format!("rank 0: {e}"));
+            // Leave the group so that no worker waits for rank 0 in a collective.
+            self.comm = None;
+        }
+        for w in &self.workers {
+            if w.jobs.is_none() {
+                continue;
+            }
+            match w.done.recv() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    failure.get_or_insert_with(|| format!("rank {}: {e}", w.rank));
+                }
+                Err(_) => {
+                    failure.get_or_insert_with(|| worker_gone(w.rank).to_string());
+                }
+            }
+        }
+        if let Some(why) = failure {
+            self.comm = None;
+            for w in &mut self.workers {
+                w.jobs = None;
+            }
+            self.broken = Some(why.clone());
+            return Err(ModelError::Collective { op: "step", rank: 0, message: why });
+        }
+        mine
+    }
+}
+
+impl<B: Backend> Drop for ParallelGroup<B> {
+    fn drop(&mut self) {
+        // Rank 0 leaves first, so a worker inside a collective fails instead of waiting; closing the job
+        // channels ends the workers' loops.
+        self.comm = None;
+        for w in &mut self.workers {
+            w.jobs = None;
+        }
+        for w in &mut self.workers {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+fn worker_gone(rank: usize) -> ModelError {
+    ModelError::Collective { op: "step", rank, message: format!("rank {rank}'s thread ended (it panicked or left)") }
+}
+
+struct WorkerSetup<B: Backend> {
+    dir: PathBuf,
+    spec: ShardSpec,
+    comm: BoxedCommunicator<B>,
+    device: B::Device,
+    num_blocks: usize,
+    block_size: usize,
+}
+
+fn spawn_worker<B: Backend>(setup: WorkerSetup<B>) -> Result<Worker> {
+    let rank = setup.spec.rank;
+    let (jobs, job_rx) = channel::<Job>();
+    let (done_tx, done) = channel::<Result<()>>();
+    let thread = std::thread::Builder::new()
+        .name(format!("eyrie-rank-{rank}"))
+        .spawn(move || worker_loop(setup, job_rx, done_tx))
+        .map_err(|e| ModelError::Collective {
+            op: "load",
+            rank,
+            message: format!("cannot start rank {rank}'s thread: {e}"),
+        })?;
+    Ok(Worker { rank, jobs: Some(jobs), done, thread: Some(thread) })
+}
+
+fn worker_loop<B: Backend>(setup: WorkerSetup<B>, jobs: Receiver<Job>, done: Sender<Result<()>>) {
+    let WorkerSetup { dir, spec, comm, device, num_blocks, block_size } = setup;
+    let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<_> {
+        let shard = ShardedDeepseekV3::<B>::load(&dir, spec.rank, spec.tp, spec.ep, &device)?;
+        let cache = PagedMlaCache::<B>::new(&shard.config, num_blocks, block_size, &device)?;
+        Ok((shard, cache))
+    }));
+    let (shard, mut cache) = match loaded {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            drop(comm);
+            let _ = done.send(Err(e));
+            return;
+        }
+        Err(_) => {
+            drop(comm);
+            let _ = done.send(Err(ModelError::Collective {
+                op: "load",
+                rank: spec.rank,
+                message: "panicked while loading".into(),
+            }));
+            return;
+        }
+    };
+    if done.send(Ok(())).is_err() {
+        return;
+    }
+    while let Ok(job) = jobs.recv() {
+        let Job { mut entries, rows } = job;
+        let outcome = catch_unwind(AssertUnwindSafe(|| {
+            let mut batch: Vec<BatchEntry<'_>> =
+                entries.iter_mut().map(|(seq, tokens)| BatchEntry { seq, tokens }).collect();
+            shard.forward_batch(&mut batch, &mut cache, rows, &comm, &device).map(|_| ())
+        }))
+        .unwrap_or_else(|_| {
+            Err(ModelError::Collective { op: "step", rank: spec.rank, message: "panicked during a step".into() })
+        });
+        let failed = outcome.is_err();
+        if done.send(outcome).is_err() || failed {
+            // Leave the group: the other ranks' collectives fail instead of waiting for this one.
+            return;
+        }
+    }
+}
