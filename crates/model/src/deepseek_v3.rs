@@ -8,6 +8,7 @@
 //! over a paged compressed KV cache in the absorbed form ([`crate::kv_cache`]), and [`DeepseekV3::forward_cached`]
 //! is its batch of one.
 
+use std::ops::Range;
 use std::path::Path;
 
 use burn::tensor::backend::Backend;
@@ -141,7 +142,17 @@ impl<B: Backend> DeepseekV3<B> {
     /// Builds the model from an open checkpoint; fails if any checkpoint tensor is left unused (see
     /// [`crate::weights`]).
     pub fn from_checkpoint(config: ModelConfig, ckpt: &Checkpoint, device: &B::Device) -> Result<Self> {
-        Self::build(&config, WeightLoader::new(ckpt, &config)?, device)
+        Self::build(&config, WeightLoader::new(ckpt, &config)?, device, None)
+    }
+
+    /// [`Self::load`] keeping only the routed experts in `experts` (global ids) in every MoE layer's
+    /// `experts` (so `experts[0]` is expert `experts.start`): the others are accounted for but never read. What
+    /// an expert-parallel rank loads; such a model is only a source for [`crate::parallel::ShardedDeepseekV3`],
+    /// its own forward would misroute.
+    pub(crate) fn load_experts(dir: impl AsRef<Path>, device: &B::Device, experts: Range<usize>) -> Result<Self> {
+        let config = ModelConfig::from_dir(dir.as_ref())?;
+        let ckpt = Checkpoint::open(dir.as_ref())?;
+        Self::build(&config, WeightLoader::new(&ckpt, &config)?, device, Some(experts))
     }
 
     /// [`Self::load`] reporting progress (tensors, bytes, elapsed; [`LoadProgress::eta`]) after each tensor.
@@ -153,16 +164,23 @@ impl<B: Backend> DeepseekV3<B> {
         let config = ModelConfig::from_dir(dir.as_ref())?;
         let ckpt = Checkpoint::open(dir.as_ref())?;
         let loader = WeightLoader::new(&ckpt, &config)?.with_progress(&mut progress);
-        Self::build(&config, loader, device)
+        Self::build(&config, loader, device, None)
     }
 
-    fn build(config: &ModelConfig, mut w: WeightLoader<'_>, device: &B::Device) -> Result<Self> {
+    /// `experts`: the routed experts to load (all when `None`).
+    fn build(
+        config: &ModelConfig,
+        mut w: WeightLoader<'_>,
+        device: &B::Device,
+        experts: Option<Range<usize>>,
+    ) -> Result<Self> {
         let c = config;
         let d = c.hidden_size;
         let embed_tokens = w.tensor::<B, 2>("model.embed_tokens.weight", [c.vocab_size, d], device)?;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for i in 0..c.num_hidden_layers {
-            layers.push(load_layer(&mut w, c, i, device)?);
+            let experts = experts.clone().unwrap_or(0..c.n_routed_experts);
+            layers.push(load_layer(&mut w, c, i, device, experts)?);
         }
         let norm = RmsNorm::new(w.tensor("model.norm.weight", [d], device)?, c.rms_norm_eps);
         let lm_head = if c.tie_word_embeddings {
@@ -368,6 +386,7 @@ fn load_layer<B: Backend>(
     c: &ModelConfig,
     i: usize,
     device: &B::Device,
+    keep: Range<usize>,
 ) -> Result<DecoderLayer<B>> {
     let p = format!("model.layers.{i}");
     let d = c.hidden_size;
@@ -419,9 +438,17 @@ fn load_layer<B: Backend>(
             let e = c.n_routed_experts;
             let gate = w.linear(&format!("{p}.mlp.gate"), [e, d], device)?;
             let e_score_correction_bias = w.host_vector(&format!("{p}.mlp.gate.e_score_correction_bias"), e)?;
-            let experts = (0..e)
-                .map(|j| mlp(w, &format!("{p}.mlp.experts.{j}"), c.moe_intermediate_size))
-                .collect::<Result<Vec<_>>>()?;
+            let mut experts = Vec::with_capacity(keep.len());
+            for j in 0..e {
+                let prefix = format!("{p}.mlp.experts.{j}");
+                if keep.contains(&j) {
+                    experts.push(mlp(w, &prefix, c.moe_intermediate_size)?);
+                } else {
+                    for part in ["gate_proj", "up_proj", "down_proj"] {
+                        w.skip_linear(&format!("{prefix}.{part}"))?;
+                    }
+                }
+            }
             let shared_experts = mlp(w, &format!("{p}.mlp.shared_experts"), c.shared_intermediate_size())?;
             let params = RouterParams {
                 top_k: c.num_experts_per_tok,

@@ -158,7 +158,18 @@ impl<'a> WeightLoader<'a> {
             Some(QuantScheme::Int4Group { group_size, .. }) => Some(group_size.columns(shape[1])),
             _ => None,
         };
-        let parts: Vec<String> = if self.ckpt.contains(&format!("{name}.weight_packed")) {
+        for p in &self.linear_parts(&name) {
+            self.consume(p)?;
+        }
+        let weight = LinearWeight::load(self.ckpt, &name, group)?;
+        self.check_shape(&format!("{name}.weight"), &shape, &weight.shape())?;
+        Linear::load(&weight, device)
+    }
+
+    /// The checkpoint tensors a Linear named `name` (checkpoint spelling) is stored in: dense, INT4
+    /// (compressed-tensors parts) or FP8 (weight + block scales).
+    fn linear_parts(&self, name: &str) -> Vec<String> {
+        if self.ckpt.contains(&format!("{name}.weight_packed")) {
             ["weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"]
                 .iter()
                 .map(|p| format!("{name}.{p}"))
@@ -168,13 +179,18 @@ impl<'a> WeightLoader<'a> {
             vec![format!("{name}.weight"), format!("{name}.weight_scale_inv")]
         } else {
             vec![format!("{name}.weight")]
-        };
-        for p in &parts {
+        }
+    }
+
+    /// Accounts for the Linear stored under `canonical` without reading it: what a rank does with the routed
+    /// experts another rank holds. Its tensors must exist (a missing one is the same error as for [`Self::linear`]);
+    /// they count as done for the progress report and as used for [`Self::finish`].
+    pub fn skip_linear(&mut self, canonical: &str) -> Result<()> {
+        let name = self.config.weight_name(canonical);
+        for p in &self.linear_parts(&name) {
             self.consume(p)?;
         }
-        let weight = LinearWeight::load(self.ckpt, &name, group)?;
-        self.check_shape(&format!("{name}.weight"), &shape, &weight.shape())?;
-        Linear::load(&weight, device)
+        Ok(())
     }
 
     /// Ends loading: an error listing every checkpoint tensor that was neither used nor deliberately skipped.

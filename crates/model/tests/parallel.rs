@@ -130,7 +130,16 @@ fn load_reads_a_rank_shard_and_rejects_bad_splits() {
     let rows = prompt_rows("v2lite");
     let refs: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
     let want = host(full.forward(full.token_tensor(&refs, &device).unwrap()));
-    let shards = (0..2).map(|rank| ShardedDeepseekV3::<Flex>::load(&dir, rank, 2, 2, &device).unwrap()).collect();
+    let shards: Vec<_> =
+        (0..2).map(|rank| ShardedDeepseekV3::<Flex>::load(&dir, rank, 2, 2, &device).unwrap()).collect();
+    // Each rank loaded only its own routed experts: 6 experts, 3 a rank.
+    for (rank, shard) in shards.iter().enumerate() {
+        for layer in &shard.layers {
+            if let eyrie_model::parallel::model::ShardedFeedForward::Moe(moe) = &layer.mlp {
+                assert_eq!((moe.first_expert, moe.moe.experts.len()), (3 * rank, 3));
+            }
+        }
+    }
     let got = sharded_logits(shards, &rows);
     assert!(scaled_error(&got[1], &want) <= TOLERANCE);
     // 4 heads do not split 8 ways; 6 experts do not split 4 ways; tp 3 does not divide a group of 4.

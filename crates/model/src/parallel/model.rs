@@ -87,18 +87,27 @@ pub struct ShardedDeepseekV3<B: Backend> {
 
 impl<B: Backend> ShardedDeepseekV3<B> {
     /// Loads rank `rank`'s shard of the checkpoint in `dir` for `tp`-way tensor and `ep`-way expert parallelism
-    /// onto `device`. For now this loads the whole model through [`DeepseekV3::load`] (with its check that every
-    /// checkpoint tensor is consumed) and slices after loading; reading only the rank's slices from the
-    /// checkpoint is left for the multi-GPU loader.
+    /// onto `device`. Routed experts of other ranks are never read (with the checkpoint's every tensor still
+    /// accounted for, as [`DeepseekV3::load`] checks); attention, dense and shared-expert weights are read whole
+    /// and sliced on the device (reading only the slice is left for later: those are a few percent of a
+    /// Kimi-K2 checkpoint's bytes).
     pub fn load(dir: impl AsRef<Path>, rank: usize, tp: usize, ep: usize, device: &B::Device) -> Result<Self> {
         let config = ModelConfig::from_dir(dir.as_ref())?;
         let spec = ShardSpec { rank, tp, ep };
         spec.validate(&config)?;
-        Self::from_full(&DeepseekV3::load(dir, device)?, spec)
+        let experts = spec.experts(config.n_routed_experts);
+        let partial = DeepseekV3::load_experts(dir, device, experts)?;
+        Self::shard(&partial, spec, true)
     }
 
     /// `spec`'s shard of a loaded model.
     pub fn from_full(full: &DeepseekV3<B>, spec: ShardSpec) -> Result<Self> {
+        Self::shard(full, spec, false)
+    }
+
+    /// `spec`'s shard of `model`, whose MoE layers hold every routed expert, or (`experts_local`) only this rank's.
+    fn shard(model: &DeepseekV3<B>, spec: ShardSpec, experts_local: bool) -> Result<Self> {
+        let full = model;
         spec.validate(&full.config)?;
         let vocab_split = spec.tp > 1 && spec.tp == spec.world() && full.config.vocab_size.is_multiple_of(spec.tp);
         let layers = full
@@ -110,7 +119,7 @@ impl<B: Backend> ShardedDeepseekV3<B> {
                 post_attention_layernorm: l.post_attention_layernorm.clone(),
                 mlp: match &l.mlp {
                     FeedForward::Dense(mlp) => ShardedFeedForward::Dense(shard_mlp(mlp, spec.tp_rank(), spec.tp)),
-                    FeedForward::Moe(moe) => ShardedFeedForward::Moe(Box::new(shard_moe(moe, &spec))),
+                    FeedForward::Moe(moe) => ShardedFeedForward::Moe(Box::new(shard_moe(moe, &spec, experts_local))),
                 },
             })
             .collect();

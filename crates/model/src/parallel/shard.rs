@@ -167,15 +167,17 @@ pub struct ShardedMoe<B: Backend> {
     pub first_expert: usize,
 }
 
-/// `spec`'s shard of an MoE block.
-pub fn shard_moe<B: Backend>(moe: &Moe<B>, spec: &ShardSpec) -> ShardedMoe<B> {
-    let range = spec.experts(moe.experts.len());
+/// `spec`'s shard of an MoE block whose `experts` are all routed experts, or (`experts_local`) already just
+/// this rank's.
+pub fn shard_moe<B: Backend>(moe: &Moe<B>, spec: &ShardSpec, experts_local: bool) -> ShardedMoe<B> {
+    let n_experts = if experts_local { moe.experts.len() * spec.ep } else { moe.experts.len() };
+    let range = spec.experts(n_experts);
     ShardedMoe {
         first_expert: range.start,
         moe: Moe {
             gate: moe.gate.clone(),
             e_score_correction_bias: moe.e_score_correction_bias.clone(),
-            experts: moe.experts[range].to_vec(),
+            experts: if experts_local { moe.experts.clone() } else { moe.experts[range].to_vec() },
             shared_experts: shard_mlp(&moe.shared_experts, spec.tp_rank(), spec.tp),
             params: moe.params.clone(),
         },
