@@ -9,7 +9,7 @@
 //!    the unsharded CPU model (CubeCL's TF32 matmuls put the unsharded GPU model ~1e-3 from the CPU; the table
 //!    prints that floor beside each split);
 //! 3. timing of the cached decode steps: ms per step unsharded (one GPU) and sharded (N GPUs), and the share of
-//!    the sharded step spent in collectives (NcclCommunicator::time_in_collectives).
+//!    the sharded step spent in collectives (NcclCommunicator::collective_time).
 //!
 //! Prints a table and writes JSON. Exit status 1 when a check fails.
 //!
@@ -281,11 +281,11 @@ fn run_split(
             let mut cache = PagedMlaCache::new(&full.config, 64, 4, &device)?;
             let mut seqs = vec![SequenceCache::default(); rows.len()];
             let mut started = Instant::now();
-            let (mut calls0, mut busy0) = comm.time_in_collectives();
+            let (mut calls0, mut busy0) = comm.collective_time();
             for (i, inputs) in fed.iter().enumerate() {
                 if i == 1 {
                     started = Instant::now();
-                    (calls0, busy0) = comm.time_in_collectives();
+                    (calls0, busy0) = comm.collective_time();
                 }
                 let mut batch: Vec<BatchEntry<'_>> =
                     seqs.iter_mut().zip(inputs).map(|(seq, tokens)| BatchEntry { seq, tokens }).collect();
@@ -295,7 +295,7 @@ fn run_split(
                 }
             }
             let elapsed = started.elapsed();
-            let (calls, busy) = comm.time_in_collectives();
+            let (calls, busy) = comm.collective_time();
             let steps = (fed.len() - 1) as f64;
             if round == 1 {
                 step_ms = elapsed.as_secs_f64() * 1e3 / steps;

@@ -24,7 +24,7 @@ use crate::mlp::Mlp;
 use crate::moe::{Moe, RouterParams};
 use crate::rms_norm::RmsNorm;
 use crate::rope::{RopeTables, RotaryEmbedding};
-use crate::weights::{LoadProgress, WeightLoader};
+use crate::weights::{LoadProgress, WeightLoader, WeightSource};
 
 /// The feed-forward half of a decoder layer.
 #[derive(Debug, Clone)]
@@ -168,9 +168,9 @@ impl<B: Backend> DeepseekV3<B> {
     }
 
     /// `experts`: the routed experts to load (all when `None`).
-    fn build(
+    pub(crate) fn build(
         config: &ModelConfig,
-        mut w: WeightLoader<'_>,
+        mut w: impl WeightSource,
         device: &B::Device,
         experts: Option<Range<usize>>,
     ) -> Result<Self> {
@@ -382,7 +382,7 @@ impl<B: Backend> DeepseekV3<B> {
 }
 
 fn load_layer<B: Backend>(
-    w: &mut WeightLoader<'_>,
+    w: &mut impl WeightSource,
     c: &ModelConfig,
     i: usize,
     device: &B::Device,
@@ -425,15 +425,21 @@ fn load_layer<B: Backend>(
         kv_lora_rank: r,
         softmax_scale: c.softmax_scale(),
     };
-    let mlp = |w: &mut WeightLoader<'_>, prefix: &str, inter: usize| -> Result<Mlp<B>> {
+    fn mlp<B: Backend>(
+        w: &mut impl WeightSource,
+        prefix: &str,
+        inter: usize,
+        d: usize,
+        device: &B::Device,
+    ) -> Result<Mlp<B>> {
         Ok(Mlp {
             gate_proj: w.linear(&format!("{prefix}.gate_proj"), [inter, d], device)?,
             up_proj: w.linear(&format!("{prefix}.up_proj"), [inter, d], device)?,
             down_proj: w.linear(&format!("{prefix}.down_proj"), [d, inter], device)?,
         })
-    };
+    }
     let ffn = match c.layer_kind(i) {
-        LayerKind::Dense => FeedForward::Dense(mlp(w, &format!("{p}.mlp"), c.intermediate_size)?),
+        LayerKind::Dense => FeedForward::Dense(mlp(w, &format!("{p}.mlp"), c.intermediate_size, d, device)?),
         LayerKind::Moe => {
             let e = c.n_routed_experts;
             let gate = w.linear(&format!("{p}.mlp.gate"), [e, d], device)?;
@@ -442,14 +448,14 @@ fn load_layer<B: Backend>(
             for j in 0..e {
                 let prefix = format!("{p}.mlp.experts.{j}");
                 if keep.contains(&j) {
-                    experts.push(mlp(w, &prefix, c.moe_intermediate_size)?);
+                    experts.push(mlp(w, &prefix, c.moe_intermediate_size, d, device)?);
                 } else {
                     for part in ["gate_proj", "up_proj", "down_proj"] {
                         w.skip_linear(&format!("{prefix}.{part}"))?;
                     }
                 }
             }
-            let shared_experts = mlp(w, &format!("{p}.mlp.shared_experts"), c.shared_intermediate_size())?;
+            let shared_experts = mlp(w, &format!("{p}.mlp.shared_experts"), c.shared_intermediate_size(), d, device)?;
             let params = RouterParams {
                 top_k: c.num_experts_per_tok,
                 n_group: c.n_group,

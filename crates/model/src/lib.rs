@@ -21,6 +21,7 @@ pub mod parallel;
 pub mod rms_norm;
 pub mod rope;
 pub mod sampling;
+pub mod synthetic;
 pub mod tokenizer;
 pub mod tree_verify;
 pub mod weights;

@@ -208,3 +208,51 @@ impl<'a> WeightLoader<'a> {
         }
     }
 }
+
+/// Where a model's weights come from, as [`crate::DeepseekV3`]'s builder asks for them: a checkpoint
+/// ([`WeightLoader`]) or made up on the device ([`crate::synthetic::SyntheticWeights`], for benchmarks at real
+/// shapes without a checkpoint).
+pub trait WeightSource {
+    /// A float tensor (norm weights, embeddings) of `shape`, f32 on `device`.
+    fn tensor<B: Backend, const D: usize>(
+        &mut self,
+        canonical: &str,
+        shape: [usize; D],
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>>;
+    /// A Linear with weight `[out, in]`.
+    fn linear<B: Backend>(&mut self, canonical: &str, shape: [usize; 2], device: &B::Device) -> Result<Linear<B>>;
+    /// A float vector on the host.
+    fn host_vector(&mut self, canonical: &str, len: usize) -> Result<Vec<f32>>;
+    /// Passes over a Linear the model does not hold (another rank's expert).
+    fn skip_linear(&mut self, canonical: &str) -> Result<()>;
+    /// Ends the build (a checkpoint checks that every tensor was used).
+    fn finish(self) -> Result<()>;
+}
+
+impl WeightSource for WeightLoader<'_> {
+    fn tensor<B: Backend, const D: usize>(
+        &mut self,
+        canonical: &str,
+        shape: [usize; D],
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>> {
+        WeightLoader::tensor(self, canonical, shape, device)
+    }
+
+    fn linear<B: Backend>(&mut self, canonical: &str, shape: [usize; 2], device: &B::Device) -> Result<Linear<B>> {
+        WeightLoader::linear(self, canonical, shape, device)
+    }
+
+    fn host_vector(&mut self, canonical: &str, len: usize) -> Result<Vec<f32>> {
+        WeightLoader::host_vector(self, canonical, len)
+    }
+
+    fn skip_linear(&mut self, canonical: &str) -> Result<()> {
+        WeightLoader::skip_linear(self, canonical)
+    }
+
+    fn finish(self) -> Result<()> {
+        WeightLoader::finish(self)
+    }
+}

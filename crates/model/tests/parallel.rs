@@ -10,7 +10,6 @@ use common::{fixture, host, ids, scaled_error};
 
 use burn::backend::Flex;
 use burn::tensor::{Tensor, TensorData};
-use eyrie_model::DeepseekV3;
 use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::error::ModelError;
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
@@ -18,6 +17,7 @@ use eyrie_model::parallel::{
     Communicator, ExpertDispatch, LocalCommunicator, ParallelGroup, ShardSpec, ShardedDeepseekV3,
 };
 use eyrie_model::quant::SafetensorsFile;
+use eyrie_model::{DeepseekV3, ModelConfig};
 
 const TOLERANCE: f32 = 1e-5;
 
@@ -274,6 +274,28 @@ fn a_parallel_group_serves_batched_steps_like_the_unsharded_model() {
     match ParallelGroup::<Flex>::load(&dir, 8, 1, &device, 16, 4).unwrap_err() {
         ModelError::InvalidConfig { field, .. } => assert_eq!(field, "num_attention_heads"),
         e => panic!("{e}"),
+    }
+}
+
+#[test]
+fn synthetic_groups_equal_the_synthetic_model() {
+    // The benchmark's model source: every rank makes the same replicated weights and its own experts.
+    let device = Default::default();
+    let config = ModelConfig::from_dir(fixture("yarn_qlora")).unwrap();
+    let full = DeepseekV3::<Flex>::synthetic(&config, &device, 0..config.n_routed_experts).unwrap();
+    let prompts = vec![vec![1, 5, 9, 200, 17, 3, 8], vec![4, 4, 100]];
+    let (want, fed) = cached_steps(&full, &prompts, 3);
+    for (tp, ep) in [(2, 2), (1, 4), (4, 1)] {
+        let (mut group, device) = ParallelGroup::<Flex>::synthetic(&config, tp, ep, &device, 16, 4).unwrap();
+        let mut cache = PagedMlaCache::new(group.config(), 16, 4, &device).unwrap();
+        let mut seqs = vec![SequenceCache::default(); prompts.len()];
+        for (step, inputs) in fed.iter().enumerate() {
+            let mut batch: Vec<BatchEntry<'_>> =
+                seqs.iter_mut().zip(inputs).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
+            let got = host(group.forward_batch(&mut batch, &mut cache, LogitRows::Last, &device).unwrap());
+            let err = scaled_error(&got, &want[step]);
+            assert!(err <= TOLERANCE, "synthetic tp {tp} ep {ep} step {step}: logits error {err:e}");
+        }
     }
 }
 

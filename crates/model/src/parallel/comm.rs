@@ -32,6 +32,10 @@ pub trait Communicator<B: Backend> {
     /// `parts[d]` goes to rank `d` (`parts.len() == world_size`); returns the part each rank sent here, in rank
     /// order. Parts must agree in their column count.
     fn all_to_all(&self, parts: Vec<Tensor<B, 2>>) -> Result<Vec<Tensor<B, 2>>>;
+    /// Collectives called so far and the wall time spent in them, where the communicator measures it.
+    fn time_in_collectives(&self) -> Option<(u64, std::time::Duration)> {
+        None
+    }
 }
 
 /// A 2-D tensor on the host.

@@ -51,6 +51,10 @@ impl<B: Backend> Communicator<B> for BoxedCommunicator<B> {
     fn all_to_all(&self, parts: Vec<Tensor<B, 2>>) -> Result<Vec<Tensor<B, 2>>> {
         (**self).all_to_all(parts)
     }
+
+    fn time_in_collectives(&self) -> Option<(u64, std::time::Duration)> {
+        (**self).time_in_collectives()
+    }
 }
 
 /// Backends a [`ParallelGroup`] can span: how to make a group's communicators and rank devices.
@@ -128,7 +132,38 @@ impl<B: Backend> std::fmt::Debug for ParallelGroup<B> {
     }
 }
 
+/// Where the ranks get their weights.
+#[derive(Debug, Clone)]
+enum Source {
+    /// A checkpoint directory.
+    Dir(PathBuf),
+    /// Synthetic weights of this config's shapes (benchmarks).
+    Synthetic(Box<ModelConfig>),
+}
+
+impl Source {
+    fn shard<B: Backend>(&self, spec: ShardSpec, device: &B::Device) -> Result<ShardedDeepseekV3<B>> {
+        match self {
+            Source::Dir(dir) => ShardedDeepseekV3::load(dir, spec.rank, spec.tp, spec.ep, device),
+            Source::Synthetic(config) => ShardedDeepseekV3::synthetic(config, spec, device),
+        }
+    }
+}
+
 impl<B: ParallelBackend> ParallelGroup<B> {
+    /// [`Self::load`] with synthetic weights of `config`'s shapes (see [`crate::synthetic`]): a full-width model
+    /// on real devices without a checkpoint, for benchmarks.
+    pub fn synthetic(
+        config: &ModelConfig,
+        tp: usize,
+        ep: usize,
+        first: &B::Device,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<(Self, B::Device)> {
+        Self::start(Source::Synthetic(Box::new(config.clone())), config, tp, ep, first, num_blocks, block_size)
+    }
+
     /// Loads every rank's shard of the checkpoint in `dir` for `tp`-way tensor and `ep`-way expert parallelism,
     /// all ranks at once, each onto its own device (rank 0 on `first`, the others as [`ParallelBackend::group`]
     /// places them); each worker gets a latent cache of `num_blocks` x `block_size` tokens (rank 0's cache is the
@@ -143,15 +178,27 @@ impl<B: ParallelBackend> ParallelGroup<B> {
     ) -> Result<(Self, B::Device)> {
         let dir = dir.as_ref().to_path_buf();
         let config = ModelConfig::from_dir(&dir)?;
+        Self::start(Source::Dir(dir), &config, tp, ep, first, num_blocks, block_size)
+    }
+
+    fn start(
+        source: Source,
+        config: &ModelConfig,
+        tp: usize,
+        ep: usize,
+        first: &B::Device,
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<(Self, B::Device)> {
         let spec0 = ShardSpec { rank: 0, tp, ep };
-        spec0.validate(&config)?;
+        spec0.validate(config)?;
         let mut members = B::group(spec0.world(), first)?.into_iter();
         let (comm0, device0) = members.next().expect("a group has rank 0");
         let workers = members
             .enumerate()
             .map(|(i, (comm, device))| {
                 spawn_worker::<B>(WorkerSetup {
-                    dir: dir.clone(),
+                    source: source.clone(),
                     spec: ShardSpec { rank: i + 1, tp, ep },
                     comm,
                     device,
@@ -160,7 +207,7 @@ impl<B: ParallelBackend> ParallelGroup<B> {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let shard = ShardedDeepseekV3::load(&dir, 0, tp, ep, &device0);
+        let shard = source.shard(spec0, &device0);
         let mut group = Self { shard: shard?, comm: Some(comm0), workers, broken: None };
         // Every worker reports its load.
         for w in &mut group.workers {
@@ -181,6 +228,11 @@ impl<B: Backend> ParallelGroup<B> {
     /// The whole model's config.
     pub fn config(&self) -> &ModelConfig {
         &self.shard.config
+    }
+
+    /// Rank 0's collectives so far and the time spent in them (NCCL measures it; `None` otherwise).
+    pub fn time_in_collectives(&self) -> Option<(u64, std::time::Duration)> {
+        self.comm.as_ref().and_then(|c| c.time_in_collectives())
     }
 
     /// The group's layout (rank 0's spec).
@@ -286,7 +338,7 @@ fn worker_gone(rank: usize) -> ModelError {
 }
 
 struct WorkerSetup<B: Backend> {
-    dir: PathBuf,
+    source: Source,
     spec: ShardSpec,
     comm: BoxedCommunicator<B>,
     device: B::Device,
@@ -310,9 +362,9 @@ fn spawn_worker<B: Backend>(setup: WorkerSetup<B>) -> Result<Worker> {
 }
 
 fn worker_loop<B: Backend>(setup: WorkerSetup<B>, jobs: Receiver<Job>, done: Sender<Result<()>>) {
-    let WorkerSetup { dir, spec, comm, device, num_blocks, block_size } = setup;
+    let WorkerSetup { source, spec, comm, device, num_blocks, block_size } = setup;
     let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<_> {
-        let shard = ShardedDeepseekV3::<B>::load(&dir, spec.rank, spec.tp, spec.ep, &device)?;
+        let shard = source.shard::<B>(spec, &device)?;
         let cache = PagedMlaCache::<B>::new(&shard.config, num_blocks, block_size, &device)?;
         Ok((shard, cache))
     }));

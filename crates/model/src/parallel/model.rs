@@ -100,6 +100,14 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         Self::shard(&partial, spec, true)
     }
 
+    /// Rank `spec.rank`'s shard of a model of `config`'s shapes with synthetic weights (benchmarks; see
+    /// [`crate::synthetic`]), made on `device` with only this rank's routed experts.
+    pub fn synthetic(config: &ModelConfig, spec: ShardSpec, device: &B::Device) -> Result<Self> {
+        spec.validate(config)?;
+        let partial = DeepseekV3::synthetic(config, device, spec.experts(config.n_routed_experts))?;
+        Self::shard(&partial, spec, true)
+    }
+
     /// `spec`'s shard of a loaded model.
     pub fn from_full(full: &DeepseekV3<B>, spec: ShardSpec) -> Result<Self> {
         Self::shard(full, spec, false)

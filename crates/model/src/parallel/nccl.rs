@@ -120,7 +120,7 @@ impl NcclCommunicator {
     /// Collectives called so far and the wall time spent in them, from the moment this rank's queued kernels had
     /// finished (so the time of the work before is not counted) to the result being complete; waiting for slower
     /// ranks is included.
-    pub fn time_in_collectives(&self) -> (u64, Duration) {
+    pub fn collective_time(&self) -> (u64, Duration) {
         (self.calls.get(), self.busy.get())
     }
 
@@ -211,6 +211,10 @@ fn shapes_text(all: &[Vec<[usize; 2]>]) -> String {
 impl Communicator<Cuda> for NcclCommunicator {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn time_in_collectives(&self) -> Option<(u64, Duration)> {
+        Some(self.collective_time())
     }
 
     fn world_size(&self) -> usize {

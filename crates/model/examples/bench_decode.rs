@@ -1,0 +1,256 @@
+//! `bench decode`: decode steps of a full-width Kimi-K2 slice (hidden 7168, 64 MLA heads, 384 routed experts of
+//! width 2048, top-8, vocabulary 163840; `--layers L`: layer 0 dense, the rest MoE) with synthetic weights made on
+//! the GPUs (`eyrie_model::synthetic`), on one GPU or spread over `tp x ep` GPUs with NCCL
+//! (`eyrie_model::parallel::ParallelGroup`, the server's code path). Issue 7's scaling benchmark.
+//!
+//! For each split and batch: every sequence is prefilled with `--context` tokens (1024-token chunks), then
+//! `--steps` decode steps (one token per sequence) are timed after 2 untimed ones. Printed and written as JSON:
+//! ms per step, the share of rank 0's step inside collectives, and the roofline: the bytes rank 0 must read per
+//! step (its weights: attention with its heads, its MLP slices, the expected number of distinct routed experts it
+//! holds, `E (1 - (1 - k/E)^batch) / ep` for uniform routing, the router, `lm_head`; plus the latent cache) over
+//! the copy bandwidth measured in the same run on GPU 0. Weights are f32, as the engine holds them today
+//! (issue 4 brings INT4/bf16 weights on the device), so the bytes are 8x an INT4 expert's.
+//!
+//! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8]
+//!                     [--json PATH] [--budget-s 600]
+//! (a split `TxE` is tensor-parallel ways x expert-parallel ways; the group has max(T, E) GPUs, from GPU 0)
+
+use std::time::{Duration, Instant};
+
+use burn::backend::Cuda;
+use burn::backend::cuda::CudaDevice;
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+use eyrie_model::ModelConfig;
+use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
+use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
+use eyrie_model::parallel::{ParallelGroup, ShardSpec};
+
+type B = Cuda;
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+const BLOCK: usize = 64;
+const CHUNK: usize = 1024;
+
+/// Copy bandwidth on `device` (read + write bytes per second) of burn's elementwise kernel on 1 GiB.
+fn copy_bandwidth(device: &CudaDevice) -> Result<f64, Error> {
+    let n = 1 << 28;
+    let x = Tensor::<B, 1>::ones([n], device);
+    let mut best = f64::INFINITY;
+    for _ in 0..6 {
+        <B as Backend>::sync(device).map_err(|e| format!("{e:?}"))?;
+        let started = Instant::now();
+        let y = x.clone() * 1.5;
+        <B as Backend>::sync(device).map_err(|e| format!("{e:?}"))?;
+        best = best.min(started.elapsed().as_secs_f64());
+        drop(y);
+    }
+    Ok(2.0 * 4.0 * n as f64 / best)
+}
+
+/// Bytes rank 0 reads in one decode step (see the module docs).
+fn bytes_per_step(c: &ModelConfig, spec: ShardSpec, batch: usize, context: usize) -> f64 {
+    let (d, h) = (c.hidden_size as f64, c.num_heads as f64);
+    let (tp, ep) = (spec.tp as f64, spec.ep as f64);
+    let q_a = d * c.q_lora_rank.unwrap_or(0) as f64;
+    let q_b = c.q_lora_rank.unwrap_or(0) as f64 * h * c.qk_head_dim() as f64 / tp;
+    let kv_a = d * c.kv_a_dim() as f64;
+    let kv_b = c.kv_lora_rank as f64 * h * (c.qk_nope_head_dim + c.v_head_dim) as f64 / tp;
+    let o = h * c.v_head_dim as f64 * d / tp;
+    let attn = q_a + q_b + kv_a + kv_b + o;
+    let (e, k) = (c.n_routed_experts as f64, c.num_experts_per_tok as f64);
+    let distinct = e * (1.0 - (1.0 - k / e).powi(batch as i32));
+    let mut params = 0.0;
+    for layer in 0..c.num_hidden_layers {
+        params += attn;
+        params += match c.layer_kind(layer) {
+            eyrie_model::config::LayerKind::Dense => 3.0 * d * c.intermediate_size as f64 / tp,
+            eyrie_model::config::LayerKind::Moe => {
+                d * e
+                    + 3.0 * d * c.shared_intermediate_size() as f64 / tp
+                    + distinct / ep * 3.0 * d * c.moe_intermediate_size as f64
+            }
+        };
+    }
+    let world = spec.tp.max(spec.ep);
+    let vocab_split = spec.tp > 1 && spec.tp == world;
+    params += c.vocab_size as f64 * d / if vocab_split { tp } else { 1.0 };
+    let cache = (batch * context * c.kv_a_dim() * c.num_hidden_layers) as f64;
+    4.0 * (params + cache)
+}
+
+struct Row {
+    tp: usize,
+    ep: usize,
+    batch: usize,
+    context: usize,
+    ms: f64,
+    roofline_ms: f64,
+    collective_share: Option<f64>,
+    gb: f64,
+    prefill_s: f64,
+}
+
+fn run_split(
+    config: &ModelConfig,
+    (tp, ep): (usize, usize),
+    batches: &[usize],
+    context: usize,
+    steps: usize,
+    bandwidth: f64,
+    deadline: Instant,
+) -> Result<Vec<Row>, Error> {
+    let first = CudaDevice::new(0);
+    let max_batch = batches.iter().copied().max().unwrap_or(1);
+    let blocks = max_batch * (context + steps + 4).div_ceil(BLOCK) + 1;
+    let started = Instant::now();
+    let (mut group, device) = ParallelGroup::<B>::synthetic(config, tp, ep, &first, blocks, BLOCK)?;
+    eprintln!("split {tp}x{ep}: weights made in {:.1} s", started.elapsed().as_secs_f64());
+    let mut rows = Vec::new();
+    for &batch in batches {
+        if Instant::now() >= deadline {
+            eprintln!("split {tp}x{ep}: out of time before batch {batch}");
+            break;
+        }
+        let mut cache = PagedMlaCache::<B>::new(config, blocks, BLOCK, &device)?;
+        let mut seqs = vec![SequenceCache::default(); batch];
+        let prompts: Vec<Vec<u32>> =
+            (0..batch).map(|s| (0..context).map(|t| ((s * 7919 + t * 104_729) % 163_000) as u32).collect()).collect();
+        let prefill = Instant::now();
+        for start in (0..context).step_by(CHUNK) {
+            let end = (start + CHUNK).min(context);
+            let mut entries: Vec<BatchEntry<'_>> =
+                seqs.iter_mut().zip(&prompts).map(|(seq, p)| BatchEntry { seq, tokens: &p[start..end] }).collect();
+            let logits = group.forward_batch(&mut entries, &mut cache, LogitRows::Last, &device)?;
+            let _ = logits.into_data();
+        }
+        let prefill_s = prefill.elapsed().as_secs_f64();
+        let mut step = |group: &mut ParallelGroup<B>, i: usize| -> Result<(), Error> {
+            let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [((s * 31 + i * 17) % 163_000) as u32]).collect();
+            let mut entries: Vec<BatchEntry<'_>> =
+                seqs.iter_mut().zip(&tokens).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
+            let logits = group.forward_batch(&mut entries, &mut cache, LogitRows::Last, &device)?;
+            let _ = logits.into_data();
+            Ok(())
+        };
+        for i in 0..2 {
+            step(&mut group, i)?;
+        }
+        let before = group.time_in_collectives();
+        let timed = Instant::now();
+        for i in 0..steps {
+            step(&mut group, 2 + i)?;
+        }
+        let elapsed = timed.elapsed();
+        let share = match (before, group.time_in_collectives()) {
+            (Some((_, a)), Some((_, b))) => Some((b - a).as_secs_f64() / elapsed.as_secs_f64()),
+            _ => None,
+        };
+        let spec = ShardSpec { rank: 0, tp, ep };
+        let bytes = bytes_per_step(config, spec, batch, context + 2 + steps / 2);
+        let row = Row {
+            tp,
+            ep,
+            batch,
+            context,
+            ms: elapsed.as_secs_f64() * 1e3 / steps as f64,
+            roofline_ms: bytes / bandwidth * 1e3,
+            collective_share: share,
+            gb: bytes / 1e9,
+            prefill_s,
+        };
+        eprintln!(
+            "split {tp}x{ep} batch {batch}: {:.1} ms/step (roofline {:.2} ms), prefill {:.1} s",
+            row.ms, row.roofline_ms, prefill_s
+        );
+        rows.push(row);
+    }
+    drop(group);
+    Ok(rows)
+}
+
+fn main() -> Result<(), Error> {
+    let mut args = std::env::args().skip(1);
+    let (mut splits, mut layers, mut batches) = ("1x1,2x1,1x2".to_string(), 2usize, vec![1usize, 8]);
+    let (mut context, mut steps, mut json, mut budget) = (1024usize, 8usize, None, Duration::from_secs(600));
+    while let Some(a) = args.next() {
+        let mut value = || args.next().ok_or_else(|| Error::from(format!("{a} needs a value")));
+        match a.as_str() {
+            "--splits" => splits = value()?,
+            "--layers" => layers = value()?.parse()?,
+            "--batch" => batches = value()?.split(',').map(str::parse).collect::<Result<_, _>>()?,
+            "--context" => context = value()?.parse()?,
+            "--steps" => steps = value()?.parse()?,
+            "--json" => json = Some(value()?),
+            "--budget-s" => budget = Duration::from_secs(value()?.parse()?),
+            other => return Err(format!("unknown argument {other}").into()),
+        }
+    }
+    let deadline = Instant::now() + budget;
+    let splits: Vec<(usize, usize)> = splits
+        .split(',')
+        .map(|s| {
+            let (t, e) = s.split_once('x').ok_or_else(|| format!("--splits: {s:?} is not TxE"))?;
+            Ok::<_, Error>((t.parse()?, e.parse()?))
+        })
+        .collect::<Result<_, _>>()?;
+    if layers < 2 || steps == 0 || context == 0 {
+        return Err("--layers >= 2 (one dense, then MoE), --steps and --context >= 1".into());
+    }
+    let config = eyrie_model::synthetic::kimi_k2_config(layers)?;
+    let bandwidth = copy_bandwidth(&CudaDevice::new(0))?;
+    eprintln!("copy bandwidth on GPU 0: {:.0} GB/s", bandwidth / 1e9);
+    let mut rows = Vec::new();
+    let mut failures = Vec::new();
+    for split in splits {
+        if Instant::now() >= deadline {
+            failures.push(format!("{}x{}: not run, out of time", split.0, split.1));
+            continue;
+        }
+        match run_split(&config, split, &batches, context, steps, bandwidth, deadline) {
+            Ok(r) => rows.extend(r),
+            Err(e) => failures.push(format!("{}x{}: {e}", split.0, split.1)),
+        }
+    }
+    println!(
+        "\nKimi-K2 slice: {layers} layers (1 dense + {} MoE), f32 weights, context {context}, {steps} timed steps; copy bandwidth {:.0} GB/s",
+        layers - 1,
+        bandwidth / 1e9
+    );
+    println!(
+        "| tp | ep | GPUs | batch | ms/step | rank-0 bytes/step | roofline ms | x roofline | in collectives | prefill s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {} | {:.1} | {:.1} GB | {:.2} | {:.1} | {} | {:.1} |",
+            r.tp,
+            r.ep,
+            r.tp.max(r.ep),
+            r.batch,
+            r.ms,
+            r.gb,
+            r.roofline_ms,
+            r.ms / r.roofline_ms,
+            r.collective_share.map_or("-".into(), |s| format!("{:.0}%", 100.0 * s)),
+            r.prefill_s
+        );
+    }
+    for f in &failures {
+        eprintln!("FAILED: {f}");
+    }
+    if let Some(path) = json {
+        let rows: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({"tp": r.tp, "ep": r.ep, "gpus": r.tp.max(r.ep), "batch": r.batch,
+                    "context": r.context, "ms_per_step": r.ms, "rank0_gb_per_step": r.gb,
+                    "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s})
+            })
+            .collect();
+        let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic f32 weights", "layers": layers,
+            "steps": steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows, "failures": failures});
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+    }
+    if failures.is_empty() { Ok(()) } else { std::process::exit(1) }
+}
