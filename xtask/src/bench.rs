@@ -18,6 +18,10 @@ pub fn run_bench(root: &Path, args: &[String]) -> Result<()> {
         // GPU benchmark: built here, run where the GPU is (see gpu.rs).
         return crate::gpu::bench_kernels(root);
     }
+    if args.first().map(String::as_str) == Some("decode") {
+        // Multi-GPU decode benchmark: built here, run where the GPUs are (see gpu.rs).
+        return crate::gpu::bench_decode(root, &args[1..]);
+    }
     if args.first().map(String::as_str) == Some("serve") {
         // Serving benchmark: starts `eyrie serve` (or uses --url) and runs scripts/bench_serve.py.
         return crate::bench_serve::run_serve(root, &args[1..]);
@@ -37,7 +41,7 @@ pub fn run_bench(root: &Path, args: &[String]) -> Result<()> {
 }
 
 fn names() -> String {
-    BENCHES.iter().map(|(n, _, _)| *n).chain(["kernels", "serve"]).collect::<Vec<_>>().join("|")
+    BENCHES.iter().map(|(n, _, _)| *n).chain(["kernels", "decode", "serve"]).collect::<Vec<_>>().join("|")
 }
 
 pub fn run(root: &Path, args: &[String]) -> Result<()> {

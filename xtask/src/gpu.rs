@@ -83,3 +83,61 @@ pub fn bench_kernels(root: &Path) -> Result<()> {
     );
     Ok(())
 }
+
+/// Folder carrying the multi-GPU programs (eyrie-model examples with NCCL).
+const PAR_DIR: &str = ".device-par";
+
+/// Builds eyrie-model's `example` with NCCL into `.device-par/` (`strip -g`: function names stay for backtraces).
+fn bundle_parallel(root: &Path, example: &str) -> Result<std::path::PathBuf> {
+    let dir = root.join(PAR_DIR);
+    std::fs::create_dir_all(&dir).with_context(|| dir.display().to_string())?;
+    let exclude = root.join(".git/info/exclude");
+    if let Ok(text) = std::fs::read_to_string(&exclude)
+        && !text.lines().any(|l| l.trim() == "/.device-par/")
+    {
+        std::fs::write(&exclude, format!("{text}\n/.device-par/\n")).with_context(|| exclude.display().to_string())?;
+    }
+    run(cargo()
+        .args(["build", "--release", "--locked", "--package", "eyrie-model", "--features", "nccl", "--example"])
+        .arg(example))?;
+    let target = std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), Into::into);
+    let bin = dir.join(example);
+    std::fs::copy(target.join("release/examples").join(example), &bin).with_context(|| format!("copying {example}"))?;
+    run(Command::new("strip").arg("-g").arg(&bin))?;
+    Ok(bin)
+}
+
+/// `cargo xtask bench decode [--tp N] [--ep N] [bench_decode args]`: the full-width Kimi-K2 slice on 1 GPU and
+/// on the tp x ep group (plus tp alone and ep alone), writing `bench/decode.json`; without GPUs here it builds
+/// `.device-par/bench_decode` and prints the device command.
+pub fn bench_decode(root: &Path, args: &[String]) -> Result<()> {
+    let (mut tp, mut ep, mut rest) = (1usize, 1usize, Vec::new());
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--tp" => tp = it.next().context("--tp needs a value")?.parse().context("--tp")?,
+            "--ep" => ep = it.next().context("--ep needs a value")?.parse().context("--ep")?,
+            _ => rest.push(a.clone()),
+        }
+    }
+    let mut splits = vec![(1, 1)];
+    for s in [(tp, 1), (1, ep), (tp, ep)] {
+        if s.0 >= 1 && s.1 >= 1 && !splits.contains(&s) {
+            splits.push(s);
+        }
+    }
+    let splits = splits.iter().map(|(t, e)| format!("{t}x{e}")).collect::<Vec<_>>().join(",");
+    bundle_parallel(root, "bench_decode")?;
+    let command =
+        |out: &str| format!("./{PAR_DIR}/bench_decode --splits {splits} --json {out}/decode.json {}", rest.join(" "));
+    if has_gpu() {
+        return run(Command::new("sh").arg("-c").arg(command("bench")));
+    }
+    eprintln!(
+        "no GPU here: carry {PAR_DIR} to a machine with {} GPUs and run there, from the repository root (NCCL as \
+         scripts/gpu_parallel.sh sets it up):\n  {}\nthen copy decode.json into bench/",
+        tp.max(ep),
+        command("$OUT")
+    );
+    Ok(())
+}

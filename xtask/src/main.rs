@@ -27,6 +27,9 @@ commands:
   bench load              safetensors index/map and CPU dequantization throughput (bench/load.json)
   bench kernels           fused INT4 MoE kernel vs torch peers and copy bandwidth, on a GPU (bench/kernels*.json;
                           without a GPU here: builds .device-kern/ and prints the device command)
+  bench decode [--tp N] [--ep N] [args]
+                          full-width Kimi-K2 slice (synthetic weights) decode on 1 GPU and on tp x ep GPUs over
+                          NCCL (bench/decode.json; without GPUs here: builds .device-par/ and prints the command)
   bench serve [--url URL] serving benchmark (scripts/bench_serve.py): starts eyrie serve on the embedded tiny
                           model unless --url is given (bench/serve.json)
   gpu-test                GPU kernels vs their CPU references (.device-kern/gpu_kernels check, on a GPU)
