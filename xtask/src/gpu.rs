@@ -17,16 +17,23 @@ use crate::{cargo, run};
 /// Folder (ignored through .git/info/exclude) that carries the binary to the device machine.
 const DIR: &str = ".device-kern";
 
-/// Builds the stripped release `gpu_kernels` into `.device-kern/`.
-pub fn bundle(root: &Path) -> Result<()> {
-    let dir = root.join(DIR);
+/// Makes `root/name` and lists it in .git/info/exclude (a carried folder must be ignored by git).
+fn carry_dir(root: &Path, name: &str) -> Result<std::path::PathBuf> {
+    let dir = root.join(name);
     std::fs::create_dir_all(&dir).with_context(|| dir.display().to_string())?;
     let exclude = root.join(".git/info/exclude");
+    let line = format!("/{name}/");
     if let Ok(text) = std::fs::read_to_string(&exclude)
-        && !text.lines().any(|l| l.trim() == "/.device-kern/")
+        && !text.lines().any(|l| l.trim() == line)
     {
-        std::fs::write(&exclude, format!("{text}\n/.device-kern/\n")).with_context(|| exclude.display().to_string())?;
+        std::fs::write(&exclude, format!("{text}\n{line}\n")).with_context(|| exclude.display().to_string())?;
     }
+    Ok(dir)
+}
+
+/// Builds the stripped release `gpu_kernels` into `.device-kern/`.
+pub fn bundle(root: &Path) -> Result<()> {
+    let dir = carry_dir(root, DIR)?;
     run(cargo().args([
         "build",
         "--release",
@@ -89,14 +96,7 @@ const PAR_DIR: &str = ".device-par";
 
 /// Builds eyrie-model's `example` with NCCL into `.device-par/` (`strip -g`: function names stay for backtraces).
 fn bundle_parallel(root: &Path, example: &str) -> Result<std::path::PathBuf> {
-    let dir = root.join(PAR_DIR);
-    std::fs::create_dir_all(&dir).with_context(|| dir.display().to_string())?;
-    let exclude = root.join(".git/info/exclude");
-    if let Ok(text) = std::fs::read_to_string(&exclude)
-        && !text.lines().any(|l| l.trim() == "/.device-par/")
-    {
-        std::fs::write(&exclude, format!("{text}\n/.device-par/\n")).with_context(|| exclude.display().to_string())?;
-    }
+    let dir = carry_dir(root, PAR_DIR)?;
     run(cargo()
         .args(["build", "--release", "--locked", "--package", "eyrie-model", "--features", "nccl", "--example"])
         .arg(example))?;
