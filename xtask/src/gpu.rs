@@ -131,11 +131,11 @@ pub fn bench_decode(root: &Path, args: &[String]) -> Result<()> {
     let command =
         |out: &str| format!("./{PAR_DIR}/bench_decode --splits {splits} --json {out}/decode.json {}", rest.join(" "));
     if has_gpu() {
-        return run(Command::new("sh").arg("-c").arg(command("bench")));
+        return run(Command::new("bash").arg("-c").arg(command("bench")));
     }
     eprintln!(
-        "no GPU here: carry {PAR_DIR} to a machine with {} GPUs and run there, from the repository root (NCCL as \
-         scripts/gpu_parallel.sh sets it up):\n  {}\nthen copy decode.json into bench/",
+        "no GPU here: carry {PAR_DIR} to a machine with {} GPUs and run there, from the repository root:\n  {}\n\
+         then copy decode.json into bench/",
         tp.max(ep),
         command("$OUT")
     );
