@@ -27,6 +27,13 @@ use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
 use eyrie_model::parallel::{ParallelGroup, ShardSpec};
 
 type B = Cuda;
+
+/// Seconds since the program started, for progress lines (a run cut off by a time limit still tells how far it
+/// got).
+fn t() -> f64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_secs_f64()
+}
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 const BLOCK: usize = 64;
@@ -104,8 +111,9 @@ fn run_split(
     let max_batch = batches.iter().copied().max().unwrap_or(1);
     let blocks = max_batch * (context + steps + 4).div_ceil(BLOCK) + 1;
     let started = Instant::now();
+    eprintln!("[{:.0} s] split {tp}x{ep}: making the weights", t());
     let (mut group, device) = ParallelGroup::<B>::synthetic(config, tp, ep, &first, blocks, BLOCK)?;
-    eprintln!("split {tp}x{ep}: weights made in {:.1} s", started.elapsed().as_secs_f64());
+    eprintln!("[{:.0} s] split {tp}x{ep}: weights made in {:.1} s", t(), started.elapsed().as_secs_f64());
     let mut rows = Vec::new();
     for &batch in batches {
         if Instant::now() >= deadline {
@@ -123,6 +131,7 @@ fn run_split(
                 seqs.iter_mut().zip(&prompts).map(|(seq, p)| BatchEntry { seq, tokens: &p[start..end] }).collect();
             let logits = group.forward_batch(&mut entries, &mut cache, LogitRows::Last, &device)?;
             let _ = logits.into_data();
+            eprintln!("[{:.0} s] split {tp}x{ep} batch {batch}: prefilled {end} of {context}", t());
         }
         let prefill_s = prefill.elapsed().as_secs_f64();
         let mut step = |group: &mut ParallelGroup<B>, i: usize| -> Result<(), Error> {
@@ -135,6 +144,7 @@ fn run_split(
         };
         for i in 0..2 {
             step(&mut group, i)?;
+            eprintln!("[{:.0} s] split {tp}x{ep} batch {batch}: warm-up step {i} done", t());
         }
         let before = group.time_in_collectives();
         let timed = Instant::now();
@@ -160,13 +170,38 @@ fn run_split(
             prefill_s,
         };
         eprintln!(
-            "split {tp}x{ep} batch {batch}: {:.1} ms/step (roofline {:.2} ms), prefill {:.1} s",
-            row.ms, row.roofline_ms, prefill_s
+            "[{:.0} s] split {tp}x{ep} batch {batch}: {:.1} ms/step (roofline {:.2} ms), prefill {:.1} s",
+            t(),
+            row.ms,
+            row.roofline_ms,
+            prefill_s
         );
         rows.push(row);
     }
     drop(group);
     Ok(rows)
+}
+
+fn write_json(
+    path: &str,
+    layers: usize,
+    steps: usize,
+    bandwidth: f64,
+    rows: &[Row],
+    failures: &[String],
+) -> Result<(), Error> {
+    let rows: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({"tp": r.tp, "ep": r.ep, "gpus": r.tp.max(r.ep), "batch": r.batch,
+                "context": r.context, "ms_per_step": r.ms, "rank0_gb_per_step": r.gb,
+                "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s})
+        })
+        .collect();
+    let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic f32 weights", "layers": layers,
+        "steps": steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows, "failures": failures});
+    std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+    Ok(())
 }
 
 fn main() -> Result<(), Error> {
@@ -198,6 +233,7 @@ fn main() -> Result<(), Error> {
         return Err("--layers >= 2 (one dense, then MoE), --steps and --context >= 1".into());
     }
     let config = eyrie_model::synthetic::kimi_k2_config(layers)?;
+    t();
     let bandwidth = copy_bandwidth(&CudaDevice::new(0))?;
     eprintln!("copy bandwidth on GPU 0: {:.0} GB/s", bandwidth / 1e9);
     let mut rows = Vec::new();
@@ -210,6 +246,10 @@ fn main() -> Result<(), Error> {
         match run_split(&config, split, &batches, context, steps, bandwidth, deadline) {
             Ok(r) => rows.extend(r),
             Err(e) => failures.push(format!("{}x{}: {e}", split.0, split.1)),
+        }
+        // After every split, so that a run cut off by a time limit keeps what it measured.
+        if let Some(path) = &json {
+            write_json(path, layers, steps, bandwidth, &rows, &failures)?;
         }
     }
     println!(
@@ -239,18 +279,8 @@ fn main() -> Result<(), Error> {
     for f in &failures {
         eprintln!("FAILED: {f}");
     }
-    if let Some(path) = json {
-        let rows: Vec<serde_json::Value> = rows
-            .iter()
-            .map(|r| {
-                serde_json::json!({"tp": r.tp, "ep": r.ep, "gpus": r.tp.max(r.ep), "batch": r.batch,
-                    "context": r.context, "ms_per_step": r.ms, "rank0_gb_per_step": r.gb,
-                    "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s})
-            })
-            .collect();
-        let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic f32 weights", "layers": layers,
-            "steps": steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows, "failures": failures});
-        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
+    if let Some(path) = &json {
+        write_json(path, layers, steps, bandwidth, &rows, &failures)?;
     }
     if failures.is_empty() { Ok(()) } else { std::process::exit(1) }
 }
