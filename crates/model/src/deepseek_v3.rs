@@ -20,7 +20,7 @@ use crate::error::{ModelError, Result};
 use crate::kv_cache::{PagedMlaCache, SeqSpan, SequenceCache};
 use crate::linear::Linear;
 use crate::mla::{Mla, QueryProjection};
-use crate::mlp::Mlp;
+use crate::mlp::{Expert, Mlp};
 use crate::moe::{Moe, RouterParams};
 use crate::rms_norm::RmsNorm;
 use crate::rope::{RopeTables, RotaryEmbedding};
@@ -448,7 +448,12 @@ fn load_layer<B: Backend>(
             for j in 0..e {
                 let prefix = format!("{p}.mlp.experts.{j}");
                 if keep.contains(&j) {
-                    experts.push(mlp(w, &prefix, c.moe_intermediate_size, d, device)?);
+                    let inter = c.moe_intermediate_size;
+                    experts.push(Expert {
+                        gate_proj: w.stored_linear(&format!("{prefix}.gate_proj"), [inter, d], device)?,
+                        up_proj: w.stored_linear(&format!("{prefix}.up_proj"), [inter, d], device)?,
+                        down_proj: w.stored_linear(&format!("{prefix}.down_proj"), [d, inter], device)?,
+                    });
                 } else {
                     for part in ["gate_proj", "up_proj", "down_proj"] {
                         w.skip_linear(&format!("{prefix}.{part}"))?;

@@ -50,6 +50,43 @@ impl<B: Backend> Linear<B> {
     }
 }
 
+/// A Linear kept on the device as the checkpoint stores it: dense (f32), or INT4 (the packed words and scales,
+/// 0.625 bytes a parameter instead of 4, dequantized at each use with the same ops and result as
+/// [`Linear::load`]). Routed experts are held this way, so a model loads in about its checkpoint's size.
+#[derive(Debug, Clone)]
+pub enum StoredLinear<B: Backend> {
+    /// Dense f32 `W^T`.
+    Dense(Linear<B>),
+    /// Packed INT4 parts.
+    Int4(Box<Int4Tensors<B>>),
+}
+
+impl<B: Backend> StoredLinear<B> {
+    /// Uploads a checkpoint weight: INT4 stays packed, other kinds become a dense [`Linear`].
+    pub fn load(weight: &LinearWeight<'_>, device: &B::Device) -> Result<Self> {
+        Ok(match weight {
+            LinearWeight::Int4(packed) => StoredLinear::Int4(Box::new(Int4Tensors::upload(packed, device))),
+            other => StoredLinear::Dense(Linear::load(other, device)?),
+        })
+    }
+
+    /// `[in]` and `[out]`.
+    pub fn dims(&self) -> [usize; 2] {
+        match self {
+            StoredLinear::Dense(l) => l.dims(),
+            StoredLinear::Int4(w) => [w.shape[1], w.shape[0]],
+        }
+    }
+
+    /// `[n, in] -> [n, out]`; bit for bit what the dense [`Linear`] of the same checkpoint weight gives.
+    pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        match self {
+            StoredLinear::Dense(l) => l.forward(x),
+            StoredLinear::Int4(w) => Linear::from_weight(w.dequantize()).forward(x),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -57,7 +94,7 @@ mod tests {
     use eyrie_quant::{Checkpoint, Dtype, PackedInt4, SafetensorsWriter};
 
     /// Every storage kind loads to exactly the f32 weight `LinearWeight::dequantize_f32` gives, and `forward`
-    /// computes `x W^T`.
+    /// computes `x W^T`; [`StoredLinear`] keeps INT4 packed and gives the same outputs.
     #[test]
     fn every_weight_kind_loads_to_its_dequantized_values() {
         let device = Default::default();
@@ -89,7 +126,12 @@ mod tests {
             let got = linear.weight_t.clone().transpose().into_data().to_vec::<f32>().unwrap();
             assert_eq!(got, want, "{prefix}");
             let xt = Tensor::<Flex, 2>::from_data(TensorData::new(x.clone(), [3, inp]), &device);
-            let y = linear.forward(xt).into_data().to_vec::<f32>().unwrap();
+            let y = linear.forward(xt.clone()).into_data().to_vec::<f32>().unwrap();
+            // Kept as stored: INT4 stays packed (and only INT4), with the same output bit for bit.
+            let stored = StoredLinear::<Flex>::load(&weight, &device).unwrap();
+            assert_eq!(matches!(stored, StoredLinear::Int4(_)), kind == "Int4", "{prefix}");
+            assert_eq!(stored.dims(), [inp, out]);
+            assert_eq!(stored.forward(xt).into_data().to_vec::<f32>().unwrap(), y, "{prefix}");
             for r in 0..3 {
                 for o in (0..out).step_by(17) {
                     let dot: f64 = (0..inp).map(|i| f64::from(x[r * inp + i]) * f64::from(want[o * inp + i])).sum();

@@ -16,7 +16,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 
 use crate::linear::Linear;
-use crate::mlp::Mlp;
+use crate::mlp::{Expert, Mlp};
 
 /// The router's hyperparameters.
 #[derive(Debug, Clone, PartialEq)]
@@ -92,7 +92,7 @@ pub struct Moe<B: Backend> {
     /// `mlp.gate.e_score_correction_bias` `[E]`, kept on the host where routing happens.
     pub e_score_correction_bias: Vec<f32>,
     /// `mlp.experts.{e}`.
-    pub experts: Vec<Mlp<B>>,
+    pub experts: Vec<Expert<B>>,
     /// `mlp.shared_experts` (intermediate `moe_intermediate_size * n_shared_experts`).
     pub shared_experts: Mlp<B>,
     /// Router hyperparameters.

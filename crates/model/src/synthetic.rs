@@ -15,7 +15,7 @@ use burn::tensor::{Int, Tensor};
 use crate::config::ModelConfig;
 use crate::deepseek_v3::DeepseekV3;
 use crate::error::Result;
-use crate::linear::Linear;
+use crate::linear::{Linear, StoredLinear};
 use crate::weights::WeightSource;
 
 /// Weights made from names and shapes (see the module docs).
@@ -57,6 +57,15 @@ impl WeightSource for SyntheticWeights {
         let [out, inp] = shape;
         // Made as W^T `[in, out]` directly, the layout Linear keeps.
         Ok(Linear { weight_t: matrix::<B>(canonical, inp, out, 1.0 / (inp as f32).sqrt(), device) })
+    }
+
+    fn stored_linear<B: Backend>(
+        &mut self,
+        canonical: &str,
+        shape: [usize; 2],
+        device: &B::Device,
+    ) -> Result<StoredLinear<B>> {
+        Ok(StoredLinear::Dense(self.linear(canonical, shape, device)?))
     }
 
     fn host_vector(&mut self, _canonical: &str, len: usize) -> Result<Vec<f32>> {

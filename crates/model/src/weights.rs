@@ -16,7 +16,7 @@ use eyrie_quant::{Checkpoint, LinearWeight, QuantPlan, QuantScheme};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::linear::Linear;
+use crate::linear::{Linear, StoredLinear};
 
 /// Why a checkpoint tensor is deliberately not loaded, if it is one of those.
 pub fn skip_reason(config: &ModelConfig, name: &str) -> Option<&'static str> {
@@ -153,6 +153,13 @@ impl<'a> WeightLoader<'a> {
     /// The Linear stored under `canonical` (`model.layers.1.mlp.experts.0.gate_proj`) with weight `[out, in]`,
     /// dense, INT4 or FP8 (whichever tensors the checkpoint has).
     pub fn linear<B: Backend>(&mut self, canonical: &str, shape: [usize; 2], device: &B::Device) -> Result<Linear<B>> {
+        let (_, weight) = self.linear_weight(canonical, shape)?;
+        Linear::load(&weight, device)
+    }
+
+    /// The checkpoint weight of the Linear `canonical` (its tensors consumed, its shape checked against
+    /// `[out, in]`) and its checkpoint name.
+    fn linear_weight(&mut self, canonical: &str, shape: [usize; 2]) -> Result<(String, LinearWeight<'a>)> {
         let name = self.config.weight_name(canonical);
         let group = match self.plan.as_ref().and_then(|p| p.scheme_for(&name, "Linear")) {
             Some(QuantScheme::Int4Group { group_size, .. }) => Some(group_size.columns(shape[1])),
@@ -163,7 +170,7 @@ impl<'a> WeightLoader<'a> {
         }
         let weight = LinearWeight::load(self.ckpt, &name, group)?;
         self.check_shape(&format!("{name}.weight"), &shape, &weight.shape())?;
-        Linear::load(&weight, device)
+        Ok((name, weight))
     }
 
     /// The checkpoint tensors a Linear named `name` (checkpoint spelling) is stored in: dense, INT4
@@ -222,6 +229,13 @@ pub trait WeightSource {
     ) -> Result<Tensor<B, D>>;
     /// A Linear with weight `[out, in]`.
     fn linear<B: Backend>(&mut self, canonical: &str, shape: [usize; 2], device: &B::Device) -> Result<Linear<B>>;
+    /// A Linear kept as stored (INT4 stays packed; see [`StoredLinear`]).
+    fn stored_linear<B: Backend>(
+        &mut self,
+        canonical: &str,
+        shape: [usize; 2],
+        device: &B::Device,
+    ) -> Result<StoredLinear<B>>;
     /// A float vector on the host.
     fn host_vector(&mut self, canonical: &str, len: usize) -> Result<Vec<f32>>;
     /// Passes over a Linear the model does not hold (another rank's expert).
@@ -242,6 +256,16 @@ impl WeightSource for WeightLoader<'_> {
 
     fn linear<B: Backend>(&mut self, canonical: &str, shape: [usize; 2], device: &B::Device) -> Result<Linear<B>> {
         WeightLoader::linear(self, canonical, shape, device)
+    }
+
+    fn stored_linear<B: Backend>(
+        &mut self,
+        canonical: &str,
+        shape: [usize; 2],
+        device: &B::Device,
+    ) -> Result<StoredLinear<B>> {
+        let (_, weight) = self.linear_weight(canonical, shape)?;
+        StoredLinear::load(&weight, device)
     }
 
     fn host_vector(&mut self, canonical: &str, len: usize) -> Result<Vec<f32>> {

@@ -376,3 +376,32 @@ fn a_rank_that_leaves_fails_the_others_instead_of_hanging() {
         e => panic!("{e:?}"),
     }
 }
+
+#[test]
+fn int4_routed_experts_stay_packed_on_the_device() {
+    // The INT4 checkpoints' routed experts are held as packed words + scales (what makes a 1T-parameter INT4 model
+    // load in about its checkpoint's size), in the full model and in every rank's shard.
+    let device = Default::default();
+    let tiny = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../server/assets/tiny-model");
+    for (name, dir) in [("int4_experts", fixture("int4_experts")), ("eyrie-tiny", tiny)] {
+        let full = DeepseekV3::<Flex>::load(&dir, &device).unwrap();
+        let mut moe_layers = 0;
+        for layer in &full.layers {
+            if let eyrie_model::deepseek_v3::FeedForward::Moe(moe) = &layer.mlp {
+                moe_layers += 1;
+                for e in &moe.experts {
+                    for p in [&e.gate_proj, &e.up_proj, &e.down_proj] {
+                        assert!(matches!(p, eyrie_model::linear::StoredLinear::Int4(_)), "{name}");
+                    }
+                }
+            }
+        }
+        assert!(moe_layers > 0, "{name}");
+        let shard = ShardedDeepseekV3::<Flex>::load(&dir, 1, 1, 2, &device).unwrap();
+        for layer in &shard.layers {
+            if let eyrie_model::parallel::model::ShardedFeedForward::Moe(moe) = &layer.mlp {
+                assert!(matches!(moe.moe.experts[0].down_proj, eyrie_model::linear::StoredLinear::Int4(_)), "{name}");
+            }
+        }
+    }
+}
