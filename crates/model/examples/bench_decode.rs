@@ -4,12 +4,15 @@
 //! (`eyrie_model::parallel::ParallelGroup`, the server's code path). Issue 7's scaling benchmark.
 //!
 //! For each split and batch: every sequence is prefilled with `--context` tokens (1024-token chunks), then
-//! `--steps` decode steps (one token per sequence) are timed after 2 untimed ones. Printed and written as JSON:
-//! ms per step, the share of rank 0's step inside collectives, and the roofline: the bytes rank 0 must read per
-//! step (its weights: attention with its heads, its MLP slices, the expected number of distinct routed experts it
-//! holds, `E (1 - (1 - k/E)^batch) / ep` for uniform routing, the router, `lm_head`; plus the latent cache) over
-//! the copy bandwidth measured in the same run on GPU 0. Weights are f32, as the engine holds them today
-//! (issue 4 brings INT4/bf16 weights on the device), so the bytes are 8x an INT4 expert's.
+//! `--steps` decode steps (one token per sequence) are timed after 2 untimed ones. Printed and written as JSON
+//! (rewritten after every split; progress lines carry the seconds since start): ms per step, the share of rank
+//! 0's step inside collectives, and the roofline: the bytes rank 0 must read per step over the copy bandwidth
+//! measured in the same run on GPU 0. Those bytes: its f32 weights (attention with its heads, its dense-MLP and
+//! shared-expert slices, the router, `lm_head`), the expected number of distinct routed experts it holds,
+//! `E (1 - (1 - k/E)^batch) / ep` for uniform routing, at INT4's 0.625 bytes a parameter (packed words + f32
+//! group scales, as they sit on the device), and the latent cache. Today's expert path dequantizes each used
+//! expert to f32 before its matmuls (issue 4's fused kernel reads the packed bytes directly), so it moves more
+//! than the roofline counts.
 //!
 //! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8]
 //!                     [--json PATH] [--budget-s 600]
@@ -38,6 +41,8 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 
 const BLOCK: usize = 64;
 const CHUNK: usize = 1024;
+/// Bytes a parameter of an INT4 expert on the device: half a byte of packed word, an f32 scale per 32.
+const INT4_BYTES: f64 = 0.5 + 4.0 / 32.0;
 
 /// Copy bandwidth on `device` (read + write bytes per second) of burn's elementwise kernel on 1 GiB.
 fn copy_bandwidth(device: &CudaDevice) -> Result<f64, Error> {
@@ -75,7 +80,7 @@ fn bytes_per_step(c: &ModelConfig, spec: ShardSpec, batch: usize, context: usize
             eyrie_model::config::LayerKind::Moe => {
                 d * e
                     + 3.0 * d * c.shared_intermediate_size() as f64 / tp
-                    + distinct / ep * 3.0 * d * c.moe_intermediate_size as f64
+                    + distinct / ep * 3.0 * d * c.moe_intermediate_size as f64 * INT4_BYTES / 4.0
             }
         };
     }
@@ -83,6 +88,7 @@ fn bytes_per_step(c: &ModelConfig, spec: ShardSpec, batch: usize, context: usize
     let vocab_split = spec.tp > 1 && spec.tp == world;
     params += c.vocab_size as f64 * d / if vocab_split { tp } else { 1.0 };
     let cache = (batch * context * c.kv_a_dim() * c.num_hidden_layers) as f64;
+    // `params` counts f32 parameters (experts scaled to their INT4 bytes).
     4.0 * (params + cache)
 }
 
@@ -198,7 +204,7 @@ fn write_json(
                 "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s})
         })
         .collect();
-    let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic f32 weights", "layers": layers,
+    let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic weights (INT4 routed experts, f32 others)", "layers": layers,
         "steps": steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows, "failures": failures});
     std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
     Ok(())
@@ -253,7 +259,7 @@ fn main() -> Result<(), Error> {
         }
     }
     println!(
-        "\nKimi-K2 slice: {layers} layers (1 dense + {} MoE), f32 weights, context {context}, {steps} timed steps; copy bandwidth {:.0} GB/s",
+        "\nKimi-K2 slice: {layers} layers (1 dense + {} MoE), INT4 routed experts, f32 others, context {context}, {steps} timed steps; copy bandwidth {:.0} GB/s",
         layers - 1,
         bandwidth / 1e9
     );

@@ -4,19 +4,25 @@
 //!
 //! Values: norm weights 1, router bias 0, and `w[r, c] = sin(a r + b c + s) * sin(k (r + 1)(c + 1) + s) / sqrt(in)`
 //! for matrices (`s` from the tensor's name): bounded, full rank in practice, scaled like a trained layer's so
-//! activations neither vanish nor blow up over a few layers. The outputs mean nothing; the bytes moved and the
+//! activations neither vanish nor blow up over a few layers. Routed experts are INT4 (packed words from the same
+//! pattern, group 32, BF16 scales), as Kimi-K2 stores them. The outputs mean nothing; the bytes moved and the
 //! kernels run are the real model's.
 
 use std::ops::Range;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Int, IntDType, Tensor};
+use eyrie_quant::Dtype;
+use eyrie_quant::burn::Int4Tensors;
 
 use crate::config::ModelConfig;
 use crate::deepseek_v3::DeepseekV3;
 use crate::error::Result;
 use crate::linear::{Linear, StoredLinear};
 use crate::weights::WeightSource;
+
+/// INT4 group size of synthetic experts (Kimi-K2's).
+const GROUP: usize = 32;
 
 /// Weights made from names and shapes (see the module docs).
 #[derive(Debug, Default, Clone, Copy)]
@@ -59,13 +65,31 @@ impl WeightSource for SyntheticWeights {
         Ok(Linear { weight_t: matrix::<B>(canonical, inp, out, 1.0 / (inp as f32).sqrt(), device) })
     }
 
+    /// Routed experts as INT4 (group 32, BF16 scales, symmetric), as Kimi-K2's checkpoints store them: packed
+    /// words from the pattern, scales `1 / (4 sqrt(in))`, so the dequantized weights (q in -8..7) have about the
+    /// dense synthetic weights' spread. Widths that are not multiples of 32 stay dense.
     fn stored_linear<B: Backend>(
         &mut self,
         canonical: &str,
         shape: [usize; 2],
         device: &B::Device,
     ) -> Result<StoredLinear<B>> {
-        Ok(StoredLinear::Dense(self.linear(canonical, shape, device)?))
+        let [out, inp] = shape;
+        if !inp.is_multiple_of(GROUP) {
+            return Ok(StoredLinear::Dense(self.linear(canonical, shape, device)?));
+        }
+        // Bit patterns in [-2^31, 2^31): every nibble of a word takes every value.
+        let packed = matrix::<B>(canonical, out, inp / 8, 2_147_483_520.0, device).int().cast(IntDType::I32);
+        let scale = 1.0 / (4.0 * (inp as f32).sqrt());
+        let scales = Tensor::<B, 2>::ones([out, inp / GROUP], device) * scale;
+        Ok(StoredLinear::Int4(Box::new(Int4Tensors {
+            packed,
+            scales,
+            zero_points: None,
+            shape,
+            group_size: GROUP,
+            scale_dtype: Dtype::BF16,
+        })))
     }
 
     fn host_vector(&mut self, _canonical: &str, len: usize) -> Result<Vec<f32>> {

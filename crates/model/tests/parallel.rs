@@ -283,8 +283,16 @@ fn synthetic_groups_equal_the_synthetic_model() {
     let device = Default::default();
     let config = ModelConfig::from_dir(fixture("yarn_qlora")).unwrap();
     let full = DeepseekV3::<Flex>::synthetic(&config, &device, 0..config.n_routed_experts).unwrap();
+    // Routed experts are INT4, as Kimi-K2 stores them.
+    let moe = full.layers.iter().find_map(|l| match &l.mlp {
+        eyrie_model::deepseek_v3::FeedForward::Moe(moe) => Some(moe),
+        _ => None,
+    });
+    assert!(matches!(moe.unwrap().experts[0].gate_proj, eyrie_model::linear::StoredLinear::Int4(_)));
     let prompts = vec![vec![1, 5, 9, 200, 17, 3, 8], vec![4, 4, 100]];
     let (want, fed) = cached_steps(&full, &prompts, 3);
+    let spread = want[0].iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    assert!(want.iter().flatten().all(|v| v.is_finite()) && spread > 1e-3, "synthetic logits: max |v| {spread}");
     for (tp, ep) in [(2, 2), (1, 4), (4, 1)] {
         let (mut group, device) = ParallelGroup::<Flex>::synthetic(&config, tp, ep, &device, 16, 4).unwrap();
         let mut cache = PagedMlaCache::new(group.config(), 16, 4, &device).unwrap();
