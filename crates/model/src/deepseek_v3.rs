@@ -317,12 +317,7 @@ impl<B: Backend> DeepseekV3<B> {
         cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
         let (n, d) = (flat.len(), self.config.hidden_size);
 
-        let mut spans = Vec::with_capacity(batch.len());
-        let mut row = 0;
-        for e in batch.iter() {
-            spans.push(SeqSpan { seq: &*e.seq, row, start: e.seq.len, len: e.tokens.len() });
-            row += e.tokens.len();
-        }
+        let spans = batch_spans(batch);
         let tables = batch_rope_tables(&self.rope, &spans, device);
         // captured[i] = the state at capture id i (input of layer i, or the final normed state at i = L).
         let mut captured: Vec<Option<Tensor<B, 2>>> = vec![None; if capture.is_empty() { 0 } else { num_layers + 1 }];
@@ -480,6 +475,19 @@ fn load_layer<B: Backend>(
         ),
         mlp: ffn,
     })
+}
+
+/// Where each entry's new tokens sit in the flattened batch (their pages already reserved).
+pub(crate) fn batch_spans<'a>(batch: &'a [BatchEntry<'_>]) -> Vec<SeqSpan<'a>> {
+    let mut row = 0;
+    batch
+        .iter()
+        .map(|e| {
+            let span = SeqSpan { seq: &*e.seq, row, start: e.seq.len, len: e.tokens.len() };
+            row += e.tokens.len();
+            span
+        })
+        .collect()
 }
 
 /// RoPE tables with one row per flattened new token of `spans`, at that token's own position.

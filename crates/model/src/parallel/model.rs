@@ -15,9 +15,9 @@ use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 use super::comm::Communicator;
 use super::shard::{ShardSpec, ShardedMoe, rows, shard_mla, shard_mlp, shard_moe};
 use crate::config::ModelConfig;
-use crate::deepseek_v3::{BatchEntry, DeepseekV3, FeedForward, LogitRows, batch_rope_tables};
+use crate::deepseek_v3::{BatchEntry, DeepseekV3, FeedForward, LogitRows, batch_rope_tables, batch_spans};
 use crate::error::{ModelError, Result};
-use crate::kv_cache::{PagedMlaCache, SeqSpan};
+use crate::kv_cache::PagedMlaCache;
 use crate::linear::Linear;
 use crate::mla::Mla;
 use crate::mlp::Mlp;
@@ -193,12 +193,7 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         }
         cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
         let n = flat.len();
-        let mut spans = Vec::with_capacity(batch.len());
-        let mut row = 0;
-        for e in batch.iter() {
-            spans.push(SeqSpan { seq: &*e.seq, row, start: e.seq.len, len: e.tokens.len() });
-            row += e.tokens.len();
-        }
+        let spans = batch_spans(batch);
         let tables = batch_rope_tables(&self.rope, &spans, device);
         let ids: Vec<i64> = flat.iter().map(|&t| i64::from(t)).collect();
         // [N, d]
