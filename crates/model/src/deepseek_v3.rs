@@ -145,16 +145,6 @@ impl<B: Backend> DeepseekV3<B> {
         Self::build(&config, WeightLoader::new(ckpt, &config)?, device, None)
     }
 
-    /// [`Self::load`] keeping only the routed experts in `experts` (global ids) in every MoE layer's
-    /// `experts` (so `experts[0]` is expert `experts.start`): the others are accounted for but never read. What
-    /// an expert-parallel rank loads; such a model is only a source for [`crate::parallel::ShardedDeepseekV3`],
-    /// its own forward would misroute.
-    pub(crate) fn load_experts(dir: impl AsRef<Path>, device: &B::Device, experts: Range<usize>) -> Result<Self> {
-        let config = ModelConfig::from_dir(dir.as_ref())?;
-        let ckpt = Checkpoint::open(dir.as_ref())?;
-        Self::build(&config, WeightLoader::new(&ckpt, &config)?, device, Some(experts))
-    }
-
     /// [`Self::load`] reporting progress (tensors, bytes, elapsed; [`LoadProgress::eta`]) after each tensor.
     pub fn load_with_progress(
         dir: impl AsRef<Path>,

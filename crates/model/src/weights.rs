@@ -159,7 +159,7 @@ impl<'a> WeightLoader<'a> {
 
     /// The checkpoint weight of the Linear `canonical` (its tensors consumed, its shape checked against
     /// `[out, in]`) and its checkpoint name.
-    fn linear_weight(&mut self, canonical: &str, shape: [usize; 2]) -> Result<(String, LinearWeight<'a>)> {
+    pub(crate) fn linear_weight(&mut self, canonical: &str, shape: [usize; 2]) -> Result<(String, LinearWeight<'a>)> {
         let name = self.config.weight_name(canonical);
         let group = match self.plan.as_ref().and_then(|p| p.scheme_for(&name, "Linear")) {
             Some(QuantScheme::Int4Group { group_size, .. }) => Some(group_size.columns(shape[1])),

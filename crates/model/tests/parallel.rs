@@ -132,16 +132,40 @@ fn load_reads_a_rank_shard_and_rejects_bad_splits() {
     let want = host(full.forward(full.token_tensor(&refs, &device).unwrap()));
     let shards: Vec<_> =
         (0..2).map(|rank| ShardedDeepseekV3::<Flex>::load(&dir, rank, 2, 2, &device).unwrap()).collect();
-    // Each rank loaded only its own routed experts: 6 experts, 3 a rank.
+    // Each rank loaded only its own routed experts (6 experts, 3 a rank) and its tensor-parallel slices: half
+    // the heads' projections, half the dense and shared MLP widths, no copy of the whole.
+    let c = &full.config;
     for (rank, shard) in shards.iter().enumerate() {
         for layer in &shard.layers {
-            if let eyrie_model::parallel::model::ShardedFeedForward::Moe(moe) = &layer.mlp {
-                assert_eq!((moe.first_expert, moe.moe.experts.len()), (3 * rank, 3));
+            let attn = &layer.self_attn;
+            assert_eq!(attn.num_heads, c.num_heads / 2);
+            assert_eq!(attn.o_proj.dims(), [c.num_heads / 2 * c.v_head_dim, c.hidden_size]);
+            assert_eq!(attn.kv_b_proj.dims()[1], c.num_heads / 2 * (c.qk_nope_head_dim + c.v_head_dim));
+            match &layer.mlp {
+                eyrie_model::parallel::model::ShardedFeedForward::Moe(moe) => {
+                    assert_eq!((moe.first_expert, moe.moe.experts.len()), (3 * rank, 3));
+                    assert_eq!(moe.moe.shared_experts.down_proj.dims()[0], c.shared_intermediate_size() / 2);
+                }
+                eyrie_model::parallel::model::ShardedFeedForward::Dense(mlp) => {
+                    assert_eq!(mlp.gate_proj.dims()[1], c.intermediate_size / 2);
+                }
             }
         }
     }
     let got = sharded_logits(shards, &rows);
     assert!(scaled_error(&got[1], &want) <= TOLERANCE);
+    // tp alone over the whole group: the vocabulary is split at load too.
+    let dir_q = fixture("yarn_qlora");
+    let full_q = DeepseekV3::<Flex>::load(&dir_q, &device).unwrap();
+    let rows_q = prompt_rows("yarn_qlora");
+    let refs_q: Vec<&[u32]> = rows_q.iter().map(Vec::as_slice).collect();
+    let want_q = host(full_q.forward(full_q.token_tensor(&refs_q, &device).unwrap()));
+    let shards_q: Vec<_> =
+        (0..4).map(|rank| ShardedDeepseekV3::<Flex>::load(&dir_q, rank, 4, 1, &device).unwrap()).collect();
+    assert!(shards_q[0].vocab_split);
+    assert_eq!(shards_q[3].lm_head.dims(), [full_q.config.hidden_size, full_q.config.vocab_size / 4]);
+    let got_q = sharded_logits(shards_q, &rows_q);
+    assert!(scaled_error(&got_q[2], &want_q) <= TOLERANCE);
     // 4 heads do not split 8 ways; 6 experts do not split 4 ways; tp 3 does not divide a group of 4.
     for (tp, ep, field) in [(8, 1, "num_attention_heads"), (1, 4, "n_routed_experts"), (3, 4, "tp/ep")] {
         match ShardedDeepseekV3::<Flex>::load(&dir, 0, tp, ep, &device).unwrap_err() {
@@ -237,7 +261,7 @@ fn a_parallel_group_serves_batched_steps_like_the_unsharded_model() {
     let rows = prompt_rows("yarn_qlora");
     let prompts = vec![rows[0].clone(), rows[1][..rows[1].len() - 3].to_vec()];
     let (want, fed) = cached_steps(&full, &prompts, 4);
-    for (tp, ep) in [(2, 1), (2, 2), (1, 4)] {
+    for (tp, ep) in [(2, 1), (2, 2), (1, 4), (2, 4)] {
         let (mut group, device) = ParallelGroup::<Flex>::load(&dir, tp, ep, &device, 16, 4).unwrap();
         let mut cache = PagedMlaCache::new(group.config(), 16, 4, &device).unwrap();
         let mut seqs = vec![SequenceCache::default(); prompts.len()];

@@ -13,7 +13,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 
 use super::comm::Communicator;
-use super::shard::{ShardSpec, ShardedMoe, rows, shard_mla, shard_mlp, shard_moe};
+use super::shard::{Held, ShardSpec, ShardedMoe, TpSlices, rows, shard_mla, shard_mlp, shard_moe_as};
 use crate::config::ModelConfig;
 use crate::deepseek_v3::{BatchEntry, DeepseekV3, FeedForward, LogitRows, batch_rope_tables, batch_spans};
 use crate::error::{ModelError, Result};
@@ -21,8 +21,10 @@ use crate::kv_cache::PagedMlaCache;
 use crate::linear::Linear;
 use crate::mla::Mla;
 use crate::mlp::Mlp;
+use crate::quant::Checkpoint;
 use crate::rms_norm::RmsNorm;
 use crate::rope::RotaryEmbedding;
+use crate::weights::WeightLoader;
 
 /// How tokens reach the routed experts of other ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -87,17 +89,18 @@ pub struct ShardedDeepseekV3<B: Backend> {
 
 impl<B: Backend> ShardedDeepseekV3<B> {
     /// Loads rank `rank`'s shard of the checkpoint in `dir` for `tp`-way tensor and `ep`-way expert parallelism
-    /// onto `device`. Routed experts of other ranks are never read (with the checkpoint's every tensor still
-    /// accounted for, as [`DeepseekV3::load`] checks); attention, dense and shared-expert weights are read whole
-    /// and sliced on the device (reading only the slice is left for later: those are a few percent of a
-    /// Kimi-K2 checkpoint's bytes).
+    /// onto `device`, putting only the rank's part there: routed experts of other ranks are never read (their
+    /// tensors are still accounted for, as [`DeepseekV3::load`] checks every tensor is), and tensor-parallel
+    /// weights are cut to the rank's slice before upload (see [`super::shard`]'s `TpSlices`).
     pub fn load(dir: impl AsRef<Path>, rank: usize, tp: usize, ep: usize, device: &B::Device) -> Result<Self> {
         let config = ModelConfig::from_dir(dir.as_ref())?;
         let spec = ShardSpec { rank, tp, ep };
         spec.validate(&config)?;
         let experts = spec.experts(config.n_routed_experts);
-        let partial = DeepseekV3::load_experts(dir, device, experts)?;
-        Self::shard(&partial, spec, true)
+        let ckpt = Checkpoint::open(dir.as_ref())?;
+        let source = TpSlices::new(WeightLoader::new(&ckpt, &config)?, &config, spec);
+        let partial = DeepseekV3::build(&config, source, device, Some(experts))?;
+        Self::shard(&partial, spec, Held { experts: true, tp_slices: true })
     }
 
     /// Rank `spec.rank`'s shard of a model of `config`'s shapes with synthetic weights (benchmarks; see
@@ -105,29 +108,38 @@ impl<B: Backend> ShardedDeepseekV3<B> {
     pub fn synthetic(config: &ModelConfig, spec: ShardSpec, device: &B::Device) -> Result<Self> {
         spec.validate(config)?;
         let partial = DeepseekV3::synthetic(config, device, spec.experts(config.n_routed_experts))?;
-        Self::shard(&partial, spec, true)
+        Self::shard(&partial, spec, Held { experts: true, tp_slices: false })
     }
 
     /// `spec`'s shard of a loaded model.
     pub fn from_full(full: &DeepseekV3<B>, spec: ShardSpec) -> Result<Self> {
-        Self::shard(full, spec, false)
+        Self::shard(full, spec, Held::default())
     }
 
-    /// `spec`'s shard of `model`, whose MoE layers hold every routed expert, or (`experts_local`) only this rank's.
-    fn shard(model: &DeepseekV3<B>, spec: ShardSpec, experts_local: bool) -> Result<Self> {
+    /// `spec`'s shard of `model`, which holds the whole model or (`held`) only this rank's experts and / or
+    /// tensor-parallel slices.
+    fn shard(model: &DeepseekV3<B>, spec: ShardSpec, held: Held) -> Result<Self> {
         let full = model;
         spec.validate(&full.config)?;
-        let vocab_split = spec.tp > 1 && spec.tp == spec.world() && full.config.vocab_size.is_multiple_of(spec.tp);
+        let vocab_split = spec.vocab_split(full.config.vocab_size);
+        let mla = |m: &Mla<B>| {
+            if held.tp_slices {
+                Mla { num_heads: m.num_heads / spec.tp, ..m.clone() }
+            } else {
+                shard_mla(m, spec.tp_rank(), spec.tp)
+            }
+        };
+        let mlp = |m: &Mlp<B>| if held.tp_slices { m.clone() } else { shard_mlp(m, spec.tp_rank(), spec.tp) };
         let layers = full
             .layers
             .iter()
             .map(|l| ShardedLayer {
                 input_layernorm: l.input_layernorm.clone(),
-                self_attn: shard_mla(&l.self_attn, spec.tp_rank(), spec.tp),
+                self_attn: mla(&l.self_attn),
                 post_attention_layernorm: l.post_attention_layernorm.clone(),
                 mlp: match &l.mlp {
-                    FeedForward::Dense(mlp) => ShardedFeedForward::Dense(shard_mlp(mlp, spec.tp_rank(), spec.tp)),
-                    FeedForward::Moe(moe) => ShardedFeedForward::Moe(Box::new(shard_moe(moe, &spec, experts_local))),
+                    FeedForward::Dense(m) => ShardedFeedForward::Dense(mlp(m)),
+                    FeedForward::Moe(moe) => ShardedFeedForward::Moe(Box::new(shard_moe_as(moe, &spec, held))),
                 },
             })
             .collect();
@@ -137,7 +149,8 @@ impl<B: Backend> ShardedDeepseekV3<B> {
             embed_tokens: full.embed_tokens.clone(),
             layers,
             norm: full.norm.clone(),
-            lm_head: if vocab_split {
+            // A sliced load slices `lm_head` too, unless it is the (replicated) tied embedding.
+            lm_head: if vocab_split && full.lm_head.dims()[1] == full.config.vocab_size {
                 let per = full.config.vocab_size / spec.tp;
                 rows(&full.lm_head, spec.tp_rank() * per, per)
             } else {

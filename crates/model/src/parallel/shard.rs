@@ -22,13 +22,16 @@
 //! it to the all-reduce (the others contribute zeros): a stand-in for sub-group communicators.
 
 use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use eyrie_quant::LinearWeight;
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
-use crate::linear::Linear;
+use crate::linear::{Linear, StoredLinear};
 use crate::mla::{Mla, QueryProjection};
 use crate::mlp::Mlp;
 use crate::moe::Moe;
+use crate::weights::{WeightLoader, WeightSource};
 
 /// A rank's place in a tensor x expert parallel group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +74,11 @@ impl ShardSpec {
     pub fn experts(&self, n_experts: usize) -> std::ops::Range<usize> {
         let per = n_experts / self.ep;
         self.ep_rank() * per..(self.ep_rank() + 1) * per
+    }
+
+    /// Whether `lm_head` is split by vocabulary over the group: tp is the whole group and divides `vocab`.
+    pub fn vocab_split(&self, vocab: usize) -> bool {
+        self.tp > 1 && self.tp == self.world() && vocab.is_multiple_of(self.tp)
     }
 
     /// Checks the split against `config`: every split size divides what it splits (heads, intermediate sizes,
@@ -170,6 +178,21 @@ pub struct ShardedMoe<B: Backend> {
 /// `spec`'s shard of an MoE block whose `experts` are all routed experts, or (`experts_local`) already just
 /// this rank's.
 pub fn shard_moe<B: Backend>(moe: &Moe<B>, spec: &ShardSpec, experts_local: bool) -> ShardedMoe<B> {
+    shard_moe_as(moe, spec, Held { experts: experts_local, tp_slices: false })
+}
+
+/// What a rank's model already holds as its own shard when it is sharded (a rank's load reads only its part).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Held {
+    /// Only this rank's routed experts.
+    pub experts: bool,
+    /// Only this rank's tensor-parallel slices (heads, MLP and shared-expert columns / rows, vocabulary).
+    pub tp_slices: bool,
+}
+
+/// [`shard_moe`] of a block holding what `held` says.
+pub(crate) fn shard_moe_as<B: Backend>(moe: &Moe<B>, spec: &ShardSpec, held: Held) -> ShardedMoe<B> {
+    let experts_local = held.experts;
     let n_experts = if experts_local { moe.experts.len() * spec.ep } else { moe.experts.len() };
     let range = spec.experts(n_experts);
     ShardedMoe {
@@ -178,9 +201,134 @@ pub fn shard_moe<B: Backend>(moe: &Moe<B>, spec: &ShardSpec, experts_local: bool
             gate: moe.gate.clone(),
             e_score_correction_bias: moe.e_score_correction_bias.clone(),
             experts: if experts_local { moe.experts.clone() } else { moe.experts[range].to_vec() },
-            shared_experts: shard_mlp(&moe.shared_experts, spec.tp_rank(), spec.tp),
+            shared_experts: if held.tp_slices {
+                moe.shared_experts.clone()
+            } else {
+                shard_mlp(&moe.shared_experts, spec.tp_rank(), spec.tp)
+            },
             params: moe.params.clone(),
         },
+    }
+}
+
+/// Which part of a Linear's weight `W` (`[out, in]`) a rank keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slice {
+    /// Rows `start..start + len` (output features).
+    Rows(usize, usize),
+    /// Columns `start..start + len` (input features).
+    Cols(usize, usize),
+}
+
+/// A checkpoint source that hands out only this rank's tensor-parallel slices ([`ShardSpec`]'s layout, the same
+/// as [`shard_mla`] / [`shard_mlp`] / the vocabulary split cut from a whole model): a dense or FP8 weight is read
+/// on the host and only its slice goes to the device; an INT4 one is uploaded packed and sliced after
+/// dequantization. Everything else passes through to the checkpoint loader (routed experts: `stored_linear`).
+pub(crate) struct TpSlices<'a> {
+    inner: WeightLoader<'a>,
+    spec: ShardSpec,
+    heads: usize,
+    qk: usize,
+    kv: usize,
+    v: usize,
+    vocab_split: bool,
+}
+
+impl<'a> TpSlices<'a> {
+    pub(crate) fn new(inner: WeightLoader<'a>, config: &ModelConfig, spec: ShardSpec) -> Self {
+        Self {
+            inner,
+            spec,
+            heads: config.num_heads / spec.tp,
+            qk: config.qk_head_dim(),
+            kv: config.qk_nope_head_dim + config.v_head_dim,
+            v: config.v_head_dim,
+            vocab_split: spec.vocab_split(config.vocab_size),
+        }
+    }
+
+    /// The slice of the Linear `canonical` of full shape `[out, in]` this rank keeps (`None`: all of it).
+    fn slice(&self, canonical: &str, [out, inp]: [usize; 2]) -> Option<Slice> {
+        let (part, ways) = (self.spec.tp_rank(), self.spec.tp);
+        if ways == 1 || canonical.contains(".mlp.experts.") {
+            return None;
+        }
+        let first = part * self.heads;
+        let ends = |suffix: &str| canonical.ends_with(suffix);
+        if ends("self_attn.q_b_proj") || ends("self_attn.q_proj") {
+            Some(Slice::Rows(first * self.qk, self.heads * self.qk))
+        } else if ends("self_attn.kv_b_proj") {
+            Some(Slice::Rows(first * self.kv, self.heads * self.kv))
+        } else if ends("self_attn.o_proj") {
+            Some(Slice::Cols(first * self.v, self.heads * self.v))
+        } else if ends("mlp.gate_proj")
+            || ends("mlp.up_proj")
+            || ends("shared_experts.gate_proj")
+            || ends("shared_experts.up_proj")
+        {
+            Some(Slice::Rows(part * out / ways, out / ways))
+        } else if ends("mlp.down_proj") || ends("shared_experts.down_proj") {
+            Some(Slice::Cols(part * inp / ways, inp / ways))
+        } else if canonical == "lm_head" && self.vocab_split {
+            Some(Slice::Rows(part * out / ways, out / ways))
+        } else {
+            None
+        }
+    }
+}
+
+impl WeightSource for TpSlices<'_> {
+    fn tensor<B: Backend, const D: usize>(
+        &mut self,
+        canonical: &str,
+        shape: [usize; D],
+        device: &B::Device,
+    ) -> Result<Tensor<B, D>> {
+        self.inner.tensor(canonical, shape, device)
+    }
+
+    fn linear<B: Backend>(&mut self, canonical: &str, shape: [usize; 2], device: &B::Device) -> Result<Linear<B>> {
+        let Some(slice) = self.slice(canonical, shape) else {
+            return self.inner.linear(canonical, shape, device);
+        };
+        let (_, weight) = self.inner.linear_weight(canonical, shape)?;
+        if matches!(weight, LinearWeight::Int4(_)) {
+            let full = Linear::load(&weight, device)?;
+            return Ok(match slice {
+                Slice::Rows(start, len) => rows(&full, start, len),
+                Slice::Cols(start, len) => cols(&full, start, len),
+            });
+        }
+        let [out, inp] = shape;
+        let w = weight.dequantize_f32()?;
+        let (kept, dims) = match slice {
+            Slice::Rows(start, len) => (w[start * inp..(start + len) * inp].to_vec(), [len, inp]),
+            Slice::Cols(start, len) => {
+                (w.chunks_exact(inp).flat_map(|row| row[start..start + len].iter().copied()).collect(), [out, len])
+            }
+        };
+        Ok(Linear::from_weight(Tensor::from_data(TensorData::new(kept, dims), device)))
+    }
+
+    fn stored_linear<B: Backend>(
+        &mut self,
+        canonical: &str,
+        shape: [usize; 2],
+        device: &B::Device,
+    ) -> Result<StoredLinear<B>> {
+        self.inner.stored_linear(canonical, shape, device)
+    }
+
+    fn host_vector(&mut self, canonical: &str, len: usize) -> Result<Vec<f32>> {
+        self.inner.host_vector(canonical, len)
+    }
+
+    fn skip_linear(&mut self, canonical: &str) -> Result<()> {
+        self.inner.skip_linear(canonical)
+    }
+
+    fn finish(self) -> Result<()> {
+        self.inner.finish()
     }
 }
 
