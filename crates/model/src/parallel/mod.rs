@@ -4,7 +4,7 @@
 //! engine thread ([`group`]: [`ParallelGroup`], ranks 1.. in worker threads).
 //!
 //! The CPU communicator runs N ranks as N threads so the sharding logic is tested in CI
-//! (`tests/parallel.rs`: sharded logits equal the unsharded model's); [`nccl`] (feature `nccl`) implements the same
+//! (`tests/parallel.rs`: sharded logits equal the unsharded model's); `nccl` (feature `nccl`) implements the same
 //! trait over NCCL for the CUDA devices of one process.
 
 pub mod comm;
