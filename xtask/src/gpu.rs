@@ -127,7 +127,23 @@ pub fn bench_decode(root: &Path, args: &[String]) -> Result<()> {
         }
     }
     let splits = splits.iter().map(|(t, e)| format!("{t}x{e}")).collect::<Vec<_>>().join(",");
-    bundle_parallel(root, "bench_decode")?;
+    let bin = bundle_parallel(root, "bench_decode")?;
+    // The same program on the CPU with a small config first: a bug found here costs no GPU time.
+    run(Command::new(&bin).args([
+        "--device",
+        "cpu",
+        "--config",
+        "fixtures/model/yarn_qlora",
+        "--splits",
+        &splits,
+        "--batch",
+        "1,4",
+        "--context",
+        "40",
+        "--steps",
+        "4",
+    ]))
+    .context("the CPU smoke run of bench_decode failed")?;
     let command =
         |out: &str| format!("./{PAR_DIR}/bench_decode --splits {splits} --json {out}/decode.json {}", rest.join(" "));
     if has_gpu() {

@@ -15,7 +15,9 @@
 //! than the roofline counts.
 //!
 //! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8]
-//!                     [--json PATH] [--budget-s 600]
+//!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR]
+//! (`--device cpu --config fixtures/model/yarn_qlora`: the same code on the CPU backend with a small config and
+//! threads for ranks, a smoke test of this program before it spends GPU time)
 //! (a split `TxE` is tensor-parallel ways x expert-parallel ways; the group has max(T, E) GPUs, from GPU 0)
 
 use std::time::{Duration, Instant};
@@ -27,9 +29,7 @@ use burn::tensor::backend::Backend;
 use eyrie_model::ModelConfig;
 use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
-use eyrie_model::parallel::{ParallelGroup, ShardSpec};
-
-type B = Cuda;
+use eyrie_model::parallel::{ParallelBackend, ParallelGroup, ShardSpec};
 
 /// Seconds since the program started, for progress lines (a run cut off by a time limit still tells how far it
 /// got).
@@ -45,8 +45,7 @@ const CHUNK: usize = 1024;
 const INT4_BYTES: f64 = 0.5 + 4.0 / 32.0;
 
 /// Copy bandwidth on `device` (read + write bytes per second) of burn's elementwise kernel on 1 GiB.
-fn copy_bandwidth(device: &CudaDevice) -> Result<f64, Error> {
-    let n = 1 << 28;
+fn copy_bandwidth<B: Backend>(device: &B::Device, n: usize) -> Result<f64, Error> {
     let x = Tensor::<B, 1>::ones([n], device);
     let mut best = f64::INFINITY;
     for _ in 0..6 {
@@ -104,7 +103,9 @@ struct Row {
     prefill_s: f64,
 }
 
-fn run_split(
+#[allow(clippy::too_many_arguments)]
+fn run_split<B: ParallelBackend>(
+    first: &B::Device,
     config: &ModelConfig,
     (tp, ep): (usize, usize),
     batches: &[usize],
@@ -113,13 +114,13 @@ fn run_split(
     bandwidth: f64,
     deadline: Instant,
 ) -> Result<Vec<Row>, Error> {
-    let first = CudaDevice::new(0);
     let max_batch = batches.iter().copied().max().unwrap_or(1);
     let blocks = max_batch * (context + steps + 4).div_ceil(BLOCK) + 1;
     let started = Instant::now();
     eprintln!("[{:.0} s] split {tp}x{ep}: making the weights", t());
-    let (mut group, device) = ParallelGroup::<B>::synthetic(config, tp, ep, &first, blocks, BLOCK)?;
+    let (mut group, device) = ParallelGroup::<B>::synthetic(config, tp, ep, first, blocks, BLOCK)?;
     eprintln!("[{:.0} s] split {tp}x{ep}: weights made in {:.1} s", t(), started.elapsed().as_secs_f64());
+    let vocab = config.vocab_size;
     let mut rows = Vec::new();
     for &batch in batches {
         if Instant::now() >= deadline {
@@ -129,7 +130,7 @@ fn run_split(
         let mut cache = PagedMlaCache::<B>::new(config, blocks, BLOCK, &device)?;
         let mut seqs = vec![SequenceCache::default(); batch];
         let prompts: Vec<Vec<u32>> =
-            (0..batch).map(|s| (0..context).map(|t| ((s * 7919 + t * 104_729) % 163_000) as u32).collect()).collect();
+            (0..batch).map(|s| (0..context).map(|t| ((s * 7919 + t * 104_729) % vocab) as u32).collect()).collect();
         let prefill = Instant::now();
         for start in (0..context).step_by(CHUNK) {
             let end = (start + CHUNK).min(context);
@@ -141,7 +142,7 @@ fn run_split(
         }
         let prefill_s = prefill.elapsed().as_secs_f64();
         let mut step = |group: &mut ParallelGroup<B>, i: usize| -> Result<(), Error> {
-            let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [((s * 31 + i * 17) % 163_000) as u32]).collect();
+            let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [((s * 31 + i * 17) % vocab) as u32]).collect();
             let mut entries: Vec<BatchEntry<'_>> =
                 seqs.iter_mut().zip(&tokens).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
             let logits = group.forward_batch(&mut entries, &mut cache, LogitRows::Last, &device)?;
@@ -188,6 +189,49 @@ fn run_split(
     Ok(rows)
 }
 
+/// What every split of one invocation shares.
+struct Run<'a> {
+    config: &'a ModelConfig,
+    batches: &'a [usize],
+    context: usize,
+    steps: usize,
+    deadline: Instant,
+}
+
+impl Run<'_> {
+    /// Measures the copy bandwidth on `first` (`n` f32), then every split; rows and failures.
+    #[allow(clippy::type_complexity)]
+    fn all<B: ParallelBackend>(
+        &self,
+        first: &B::Device,
+        splits: &[(usize, usize)],
+        n: usize,
+    ) -> Result<(f64, (Vec<Row>, Vec<String>)), Error> {
+        let bandwidth = copy_bandwidth::<B>(first, n)?;
+        eprintln!("[{:.0} s] copy bandwidth on the first device: {:.0} GB/s", t(), bandwidth / 1e9);
+        let (mut rows, mut failures) = (Vec::new(), Vec::new());
+        for &split in splits {
+            if Instant::now() >= self.deadline {
+                failures.push(format!("{}x{}: not run, out of time", split.0, split.1));
+                continue;
+            }
+            let (c, b) = (self.config, self.batches);
+            match run_split::<B>(first, c, split, b, self.context, self.steps, bandwidth, self.deadline) {
+                Ok(r) => rows.extend(r),
+                Err(e) => failures.push(format!("{}x{}: {e}", split.0, split.1)),
+            }
+            // After every split, so that a run cut off by a time limit keeps what it measured.
+            if let Some(path) = JSON.get() {
+                write_json(path, self.config.num_hidden_layers, self.steps, bandwidth, &rows, &failures)?;
+            }
+        }
+        Ok((bandwidth, (rows, failures)))
+    }
+}
+
+/// Where the JSON goes (set once from `--json`).
+static JSON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
 fn write_json(
     path: &str,
     layers: usize,
@@ -214,6 +258,7 @@ fn main() -> Result<(), Error> {
     let mut args = std::env::args().skip(1);
     let (mut splits, mut layers, mut batches) = ("1x1,2x1,1x2".to_string(), 2usize, vec![1usize, 8]);
     let (mut context, mut steps, mut json, mut budget) = (1024usize, 8usize, None, Duration::from_secs(600));
+    let (mut cpu, mut config_dir) = (false, None::<String>);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or_else(|| Error::from(format!("{a} needs a value")));
         match a.as_str() {
@@ -224,10 +269,15 @@ fn main() -> Result<(), Error> {
             "--steps" => steps = value()?.parse()?,
             "--json" => json = Some(value()?),
             "--budget-s" => budget = Duration::from_secs(value()?.parse()?),
+            "--device" => cpu = value()? == "cpu",
+            "--config" => config_dir = Some(value()?),
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
     let deadline = Instant::now() + budget;
+    if let Some(path) = &json {
+        let _ = JSON.set(path.clone());
+    }
     let splits: Vec<(usize, usize)> = splits
         .split(',')
         .map(|s| {
@@ -238,29 +288,23 @@ fn main() -> Result<(), Error> {
     if layers < 2 || steps == 0 || context == 0 {
         return Err("--layers >= 2 (one dense, then MoE), --steps and --context >= 1".into());
     }
-    let config = eyrie_model::synthetic::kimi_k2_config(layers)?;
+    let config = match &config_dir {
+        None => eyrie_model::synthetic::kimi_k2_config(layers)?,
+        Some(dir) => ModelConfig::from_dir(dir)?,
+    };
     t();
-    let bandwidth = copy_bandwidth(&CudaDevice::new(0))?;
-    eprintln!("copy bandwidth on GPU 0: {:.0} GB/s", bandwidth / 1e9);
-    let mut rows = Vec::new();
-    let mut failures = Vec::new();
-    for split in splits {
-        if Instant::now() >= deadline {
-            failures.push(format!("{}x{}: not run, out of time", split.0, split.1));
-            continue;
-        }
-        match run_split(&config, split, &batches, context, steps, bandwidth, deadline) {
-            Ok(r) => rows.extend(r),
-            Err(e) => failures.push(format!("{}x{}: {e}", split.0, split.1)),
-        }
-        // After every split, so that a run cut off by a time limit keeps what it measured.
-        if let Some(path) = &json {
-            write_json(path, layers, steps, bandwidth, &rows, &failures)?;
-        }
-    }
+    let run = Run { config: &config, batches: &batches, context, steps, deadline };
+    let (bandwidth, outcomes) = if cpu {
+        run.all::<burn::backend::Flex>(&Default::default(), &splits, 1 << 24)?
+    } else {
+        run.all::<Cuda>(&CudaDevice::new(0), &splits, 1 << 28)?
+    };
+    let (rows, failures) = outcomes;
     println!(
-        "\nKimi-K2 slice: {layers} layers (1 dense + {} MoE), INT4 routed experts, f32 others, context {context}, {steps} timed steps; copy bandwidth {:.0} GB/s",
-        layers - 1,
+        "\n{} layers, hidden {}, {} routed experts (INT4), f32 others, context {context}, {steps} timed steps; copy bandwidth {:.0} GB/s",
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.n_routed_experts,
         bandwidth / 1e9
     );
     println!(
@@ -286,7 +330,7 @@ fn main() -> Result<(), Error> {
         eprintln!("FAILED: {f}");
     }
     if let Some(path) = &json {
-        write_json(path, layers, steps, bandwidth, &rows, &failures)?;
+        write_json(path, config.num_hidden_layers, steps, bandwidth, &rows, &failures)?;
     }
     if failures.is_empty() { Ok(()) } else { std::process::exit(1) }
 }
