@@ -301,8 +301,9 @@ impl Communicator<Cuda> for NcclCommunicator {
         }
         let device = parts[0].device();
         let started = self.begin(OP, &device)?;
-        // Empty parts take no buffer and no kernel (a zero-sized launch is a CUDA error).
-        let like = burn_cubecl::kernel::into_contiguous(parts[0].clone().into_primitive().tensor());
+        // Empty parts take no buffer and no kernel (a zero-sized launch is a CUDA error); `like` only lends its
+        // client and device to the output buffers.
+        let like = parts[0].clone().into_primitive().tensor();
         let sends = parts
             .into_iter()
             .map(|t| if t.dims()[0] == 0 { Ok(None) } else { raw(t, OP, self).map(Some) })
