@@ -424,36 +424,22 @@ fn main() -> Result<(), Error> {
         );
     }
     if let Some(path) = json {
-        let rows: Vec<String> = results
+        let splits: Vec<serde_json::Value> = results
             .iter()
             .map(|r| {
-                format!(
-                    "{{\"fixture\":\"{}\",\"tp\":{},\"ep\":{},\"dispatch\":\"{:?}\",\"forward_error\":{:e},\"cached_error\":{:e},\"cpu_error\":{:e},\"gpu_vs_cpu_floor\":{:e},\"greedy_equal\":{},\
-                     \"ranks_identical\":{},\"unsharded_ms_per_step\":{:.4},\"sharded_ms_per_step\":{:.4},\
-                     \"collective_share\":{:.4},\"collectives_per_step\":{:.1}}}",
-                    r.fixture,
-                    r.tp,
-                    r.ep,
-                    r.dispatch,
-                    r.forward_error,
-                    r.cached_error,
-                    r.cpu_error,
-                    r.gpu_floor,
-                    r.greedy_equal,
-                    r.ranks_identical,
-                    r.unsharded_ms,
-                    r.sharded_ms,
-                    r.collective_share,
-                    r.collective_calls_per_step
-                )
+                serde_json::json!({
+                    "fixture": r.fixture, "tp": r.tp, "ep": r.ep, "dispatch": format!("{:?}", r.dispatch),
+                    "forward_error": r.forward_error, "cached_error": r.cached_error, "cpu_error": r.cpu_error,
+                    "gpu_vs_cpu_floor": r.gpu_floor, "greedy_equal": r.greedy_equal,
+                    "ranks_identical": r.ranks_identical, "unsharded_ms_per_step": r.unsharded_ms,
+                    "sharded_ms_per_step": r.sharded_ms, "collective_share": r.collective_share,
+                    "collectives_per_step": r.collective_calls_per_step,
+                })
             })
             .collect();
-        let text = format!(
-            "{{\"gpus\":{gpus},\"tolerance\":{TOLERANCE:e},\"decode_steps\":{steps},\"failures\":{:?},\"splits\":[{}]}}\n",
-            failures,
-            rows.join(",")
-        );
-        std::fs::write(&path, text)?;
+        let doc = serde_json::json!({"gpus": gpus, "tolerance": TOLERANCE, "decode_steps": steps,
+            "failures": failures, "splits": splits});
+        std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")?;
     }
     if failures.is_empty() {
         println!("\nall checks passed");
