@@ -192,8 +192,18 @@ impl<B: ParallelBackend> ParallelGroup<B> {
     ) -> Result<(Self, B::Device)> {
         let spec0 = ShardSpec { rank: 0, tp, ep };
         spec0.validate(config)?;
-        let mut members = B::group(spec0.world(), first)?.into_iter();
-        let (comm0, device0) = members.next().expect("a group has rank 0");
+        let members = B::group(spec0.world(), first)?;
+        if members.len() != spec0.world() {
+            return Err(ModelError::Collective {
+                op: "init",
+                rank: 0,
+                message: format!("{} communicators made for a group of {}", members.len(), spec0.world()),
+            });
+        }
+        let mut members = members.into_iter();
+        let Some((comm0, device0)) = members.next() else {
+            return Err(ModelError::Collective { op: "init", rank: 0, message: "a group without rank 0".into() });
+        };
         let workers = members
             .enumerate()
             .map(|(i, (comm, device))| {
@@ -278,13 +288,18 @@ impl<B: Backend> ParallelGroup<B> {
         }
         let mine = match &failure {
             Some(why) => Err(ModelError::Collective { op: "step", rank: 0, message: why.clone() }),
-            None => {
-                let comm = self.comm.as_ref().expect("a working group has its communicator");
-                let shard = &self.shard;
-                catch_unwind(AssertUnwindSafe(|| shard.forward_batch(batch, cache, rows, comm, device))).unwrap_or_else(
-                    |_| Err(ModelError::Collective { op: "step", rank: 0, message: "rank 0 panicked".into() }),
-                )
-            }
+            None => match self.comm.as_ref() {
+                Some(comm) => {
+                    let shard = &self.shard;
+                    catch_unwind(AssertUnwindSafe(|| shard.forward_batch(batch, cache, rows, comm, device)))
+                        .unwrap_or_else(|_| {
+                            Err(ModelError::Collective { op: "step", rank: 0, message: "rank 0 panicked".into() })
+                        })
+                }
+                None => {
+                    Err(ModelError::Collective { op: "step", rank: 0, message: "rank 0 has left the group".into() })
+                }
+            },
         };
         if let Err(e) = &mine {
             failure.get_or_insert_with(|| format!("rank 0: {e}"));
