@@ -473,8 +473,10 @@ async fn speculative_serving_is_token_identical_to_plain_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tensor_and_expert_parallel_serving_equals_plain_serving() {
-    // A small cache, so that the parallel engine also preempts and reuses prefix pages.
-    let small = ["--max-total-tokens", "96", "--page-size", "4"];
+    // A small cache and short prefill chunks (as the preemption test above), so that the parallel engine admits
+    // many requests at once and must preempt.
+    let small =
+        ["--max-total-tokens", "96", "--page-size", "4", "--chunked-prefill-size", "8", "--max-running-requests", "8"];
     let plain = start(&small);
     let splits = [
         ["--tp-size", "2", "--ep-size", "1"],
@@ -486,16 +488,18 @@ async fn tensor_and_expert_parallel_serving_equals_plain_serving() {
     for split in splits {
         let flags: Vec<&str> = small.iter().chain(split.iter()).copied().collect();
         let server = start(&flags);
+        // Both servers get all requests at once (not one after the other), so each batches and preempts.
         let mut tasks = Vec::new();
         for p in prompts.iter().chain(prompts.iter()) {
             let body = json!({"prompt": p, "max_tokens": 9, "temperature": 0, "ignore_eos": true});
             let (a, b) = (plain.state.clone(), server.state.clone());
-            tasks.push(tokio::spawn(async move {
-                (post(&a, "/v1/completions", body.clone()).await, post(&b, "/v1/completions", body).await)
-            }));
+            let body_b = body.clone();
+            let want = tokio::spawn(async move { post(&a, "/v1/completions", body).await });
+            let got = tokio::spawn(async move { post(&b, "/v1/completions", body_b).await });
+            tasks.push((want, got));
         }
-        for t in tasks {
-            let ((sa, want), (sb, got)) = t.await.unwrap();
+        for (want, got) in tasks {
+            let ((sa, want), (sb, got)) = (want.await.unwrap(), got.await.unwrap());
             assert_eq!((sa, sb), (StatusCode::OK, StatusCode::OK), "{split:?}: {want} {got}");
             assert_eq!(got["choices"][0]["text"], want["choices"][0]["text"], "{split:?}");
         }
