@@ -9,6 +9,7 @@ use cubecl::server::Handle;
 
 use super::experts::{KernelLayout, MoeShape, Routing};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
+use super::specs::{ExpertRowsSpec, class_tbs};
 
 /// 16-byte vectors: four packed words, or four f32 activations.
 const VEC: usize = 4;
@@ -170,17 +171,14 @@ pub fn moe_forward_with<R: Runtime>(
     assert!(matches!(cfg.rows_at_once_2, 2 | 4) && matches!(cfg.max_tb, 1 | 2 | 4) && cfg.warps > 0);
     let h = client.empty(n_pairs * s.inter * 4);
     let y = client.empty(n_pairs * s.hidden * 4);
-    let address = AddressType::from_len(experts_len(&s));
-    let blocks_13 = s.inter.div_ceil(cfg.warps * cfg.rows_per_warp_13) as u32;
-    let blocks_2 = (s.hidden / cfg.rows_at_once_2).div_ceil(cfg.warps * cfg.rows_per_warp_2) as u32;
-    let dim = CubeDim::new_2d(32, cfg.warps as u32);
-    for (class, tb) in [1usize, 2, 4].into_iter().enumerate() {
+    // The comptime arguments of each launch come from `specs`, which also lists them for `cargo xtask kernels`.
+    for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
         let (first, end) = (routing.class_bounds[class], routing.class_bounds[class + 1]);
         if first == end {
             continue;
         }
-        let tb = tb.min(cfg.max_tb);
-        let count = CubeCount::Static(blocks_13, (end - first) as u32, 1);
+        let k = ExpertRowsSpec::gate_up(&s, routing.topk, cfg, tb);
+        let count = CubeCount::Static(k.row_tiles(), (end - first) as u32, 1);
         // SAFETY: every buffer is passed with its true length; the kernels index inside `[E, rows, k/32]` weights
         // (expert ids are checked by `Routing::new`), `[m, hidden]` / `[pairs, inter]` activations and the routing
         // arrays of `Routing`, whose slots, offsets and pair indices are in range by construction.
@@ -189,8 +187,8 @@ pub fn moe_forward_with<R: Runtime>(
                 expert_rows_kernel::launch_unchecked::<half::bf16, R>(
                     client,
                     count,
-                    dim,
-                    address,
+                    k.cube_dim(),
+                    k.address,
                     VEC,
                     arg(x, routing.m * s.hidden),
                     arg(&experts.w13, s.experts * 2 * s.inter * s.hidden / 32),
@@ -200,34 +198,34 @@ pub fn moe_forward_with<R: Runtime>(
                     arg(&routing.pairs, n_pairs),
                     arg(&h, n_pairs * s.inter),
                     first as u32,
-                    s.hidden,
-                    2 * s.inter,
-                    2,
-                    s.group,
-                    routing.topk,
-                    tb,
-                    cfg.rows_per_warp_13,
-                    cfg.warps,
-                    true,
-                    true,
-                    cfg.prefetch,
+                    k.k,
+                    k.rows,
+                    k.rows_at_once,
+                    k.group,
+                    k.topk,
+                    k.tb,
+                    k.rows_per_warp,
+                    k.warps,
+                    k.gated,
+                    k.by_token,
+                    k.prefetch,
                 );
             }
         }
     }
-    for (class, tb) in [1usize, 2, 4].into_iter().enumerate() {
+    for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
         let (first, end) = (routing.class_bounds[class], routing.class_bounds[class + 1]);
         if first == end || !matches!(stages, Stages::All | Stages::Down) {
             continue;
         }
-        let tb = tb.min(cfg.max_tb);
+        let k = ExpertRowsSpec::down(&s, routing.topk, cfg, tb);
         // SAFETY: as above.
         unsafe {
             expert_rows_kernel::launch_unchecked::<f32, R>(
                 client,
-                CubeCount::Static(blocks_2, (end - first) as u32, 1),
-                dim,
-                address,
+                CubeCount::Static(k.row_tiles(), (end - first) as u32, 1),
+                k.cube_dim(),
+                k.address,
                 VEC,
                 arg(&h, n_pairs * s.inter),
                 arg(&experts.w2, s.experts * s.hidden * s.inter / 32),
@@ -237,17 +235,17 @@ pub fn moe_forward_with<R: Runtime>(
                 arg(&routing.pairs, n_pairs),
                 arg(&y, n_pairs * s.hidden),
                 first as u32,
-                s.inter,
-                s.hidden,
-                cfg.rows_at_once_2,
-                s.group,
-                routing.topk,
-                tb,
-                cfg.rows_per_warp_2,
-                cfg.warps,
-                false,
-                false,
-                cfg.prefetch,
+                k.k,
+                k.rows,
+                k.rows_at_once,
+                k.group,
+                k.topk,
+                k.tb,
+                k.rows_per_warp,
+                k.warps,
+                k.gated,
+                k.by_token,
+                k.prefetch,
             );
         }
     }
@@ -268,11 +266,6 @@ pub fn moe_forward_with<R: Runtime>(
             );
         }
     }
-}
-
-/// Largest buffer of the experts in elements (picks 32- or 64-bit indexing).
-fn experts_len(s: &MoeShape) -> usize {
-    s.experts * 2 * s.inter * s.hidden / 8
 }
 
 /// Copies `floats` f32 (a multiple of 1024) from `src` to `dst` on the device.

@@ -4,15 +4,23 @@
 //!   token-expert pairs by expert. Always built.
 //! - [`reference`]: the CPU reference of the same math (f64 accumulation, `int4.rs` dequantization). Always built,
 //!   tested in CI.
-//! - `kernels` and [`gpu`] (feature `cuda`): the CubeCL kernels and their launches.
+//! - `kernels` and [`gpu`] (feature `cuda`): the CubeCL kernels and their launches; [`specs`]: the kernel
+//!   specialisations (comptime arguments) of those launches, all of them listed once.
+//! - [`resources`]: ptxas resource reports and per-architecture block limits; [`offline`] (feature `cuda`): the
+//!   CUDA C++ of each specialisation for a target architecture, made without a GPU (`cargo xtask kernels`).
 
 pub mod experts;
 pub mod reference;
+pub mod resources;
 
 #[cfg(feature = "cuda")]
 pub mod gpu;
 #[cfg(feature = "cuda")]
 mod kernels;
+#[cfg(feature = "cuda")]
+pub mod offline;
+#[cfg(feature = "cuda")]
+pub mod specs;
 
 pub use experts::{KernelLayout, MoeExperts, MoeShape, Routing, SplitMix64};
 pub use reference::{Dequant, Mismatch, moe_reference};

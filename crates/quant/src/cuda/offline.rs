@@ -1,0 +1,190 @@
+//! CUDA C++ source of each [`KernelSpec`] for a target architecture, made on the host without a GPU: the
+//! kernel's CubeCL expansion is built into a `KernelDefinition` the way the `#[cube(launch_unchecked)]` macro's
+//! `define()` does it, with the device properties cubecl-cuda would report for that architecture, then compiled
+//! by cubecl-cuda's own C++ compiler. `cargo xtask kernels` compiles the result with NVRTC.
+//!
+//! The macro's `define()` needs a live `ComputeClient` (a CUDA device) only for the device properties, so this
+//! module repeats its few lines (cubecl 0.10's expansion: register the `Size`/`Float` generics, the address type,
+//! then each argument in order) with properties made here. A cubecl upgrade that changes the expansion breaks
+//! the build of this file, not silently the result.
+
+use burn::cubecl;
+use cubecl::cuda::{CudaCompiler, CudaRuntime};
+use cubecl::ir::features::Plane;
+use cubecl::ir::{DeviceProperties, HardwareProperties, MemoryDeviceProperties, VectorSize};
+use cubecl::prelude::*;
+use cubecl::{Compiler, ExecutionMode};
+use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
+use half::bf16;
+
+use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
+use super::resources::Arch;
+use super::specs::{Act, ExpertRowsSpec, KernelSpec};
+
+/// 16-byte vectors of the kernels (the launcher's `VEC`).
+const VEC: usize = 4;
+
+/// One specialisation compiled to CUDA C++.
+#[derive(Debug, Clone)]
+pub struct CudaKernelSource {
+    /// Entry point name in the source.
+    pub entry: String,
+    /// The CUDA C++ source NVRTC compiles.
+    pub source: String,
+    /// Dynamic shared memory the launch asks for (all of the kernel's shared memory), bytes.
+    pub dynamic_smem: usize,
+    /// Threads per block.
+    pub threads: usize,
+}
+
+/// The device properties cubecl-cuda 0.10 reports for `arch` (`runtime.rs`, `DeviceService::init`), as far as
+/// they affect the expansion of these kernels: supported types, plane (warp) operations, 32-lane warps, and the
+/// per-block shared memory opt-in. The MMA tables and atomics the server also registers are left out: the MoE
+/// kernels use neither.
+pub fn device_properties(arch: Arch) -> DeviceProperties {
+    let hardware = HardwareProperties {
+        load_width: 128,
+        plane_size_min: 32,
+        plane_size_max: 32,
+        max_bindings: 1024,
+        max_shared_memory_size: arch.max_shared_per_block(),
+        max_cube_count: (i32::MAX as u32, 65535, 65535),
+        max_units_per_cube: 1024,
+        max_cube_dim: (1024, 1024, 64),
+        num_streaming_multiprocessors: None,
+        num_cpu_cores: None,
+        num_tensor_cores: None,
+        min_tensor_cores_dim: None,
+        max_vector_size: VectorSize::MAX,
+    };
+    let memory = MemoryDeviceProperties { max_page_size: 1 << 32, alignment: 512 };
+    let mut props = DeviceProperties::new(Default::default(), memory, hardware, cubecl::profile::TimingMethod::System);
+    cubecl_cpp::register_supported_types(&mut props);
+    if arch.version >= 70 {
+        props.features.plane.insert(Plane::Sync);
+    }
+    props.features.memory_reinterpret = true;
+    props.features.alignment = true;
+    props.features.plane.insert(Plane::Ops);
+    props.features.plane.insert(Plane::NonUniformControlFlow);
+    props
+}
+
+/// The compilation options cubecl-cuda 0.10 uses on `arch` with CUDA bindings of version `cuda_version`
+/// (12080 for 12.8).
+fn compilation_options(arch: Arch, cuda_version: u32) -> CompilationOptions {
+    CompilationOptions {
+        warp_size: 32,
+        supports_features: CppSupportedFeatures {
+            fast_math: true,
+            grid_constants: arch.version >= 70,
+            fast_tanh: arch.version >= 75 && cuda_version >= 12080,
+            clusters: arch.version >= 90,
+            elect_sync: arch.version >= 90,
+        },
+    }
+}
+
+/// A kernel builder primed as the macro's `define()` primes it.
+fn builder(props: &DeviceProperties, address: AddressType) -> KernelBuilder {
+    let mut builder = KernelBuilder::default();
+    builder.runtime_properties(CudaRuntime::target_properties());
+    builder.device_properties(props);
+    address.register(&mut builder.scope);
+    builder
+}
+
+/// Compilation argument of an array bound to its own buffer (never in place), as every launch here binds them.
+const ARRAY: ArrayCompilationArg = ArrayCompilationArg { inplace: None };
+
+fn define_expert_rows(act_ty: Act, s: &ExpertRowsSpec, props: &DeviceProperties) -> KernelDefinition {
+    use expert_rows_kernel::{_F, _N};
+    type F = DynamicScalar<_F>;
+    type N = DynamicSize<_N>;
+    let mut b = builder(props, s.address);
+    b.scope.register_size::<N>(VEC);
+    b.scope.register_type::<F>(act_ty.storage_type());
+    let a = ARRAY;
+    let act = <Array<F> as LaunchArg>::expand(&a, &mut b);
+    let words = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let scales = <Array<bf16> as LaunchArg>::expand(&a, &mut b);
+    let experts = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let offsets = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let pairs = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let slot0 = <u32 as LaunchArg>::expand(&(), &mut b);
+    expert_rows_kernel::expand::<F, N>(
+        &mut b.scope,
+        VEC,
+        act,
+        words,
+        scales,
+        experts,
+        offsets,
+        pairs,
+        out,
+        slot0,
+        s.k,
+        s.rows,
+        s.rows_at_once,
+        s.group,
+        s.topk,
+        s.tb,
+        s.rows_per_warp,
+        s.warps,
+        s.gated,
+        s.by_token,
+        s.prefetch,
+    );
+    let name = format!("expert_rows_kernel_f_{}_n_{VEC}", act_ty.name());
+    b.build(KernelSettings::default().cube_dim(s.cube_dim()).address_type(s.address).kernel_name(name))
+}
+
+fn define_combine(hidden: usize, topk: usize, address: AddressType, props: &DeviceProperties) -> KernelDefinition {
+    let mut b = builder(props, address);
+    let a = ARRAY;
+    let y = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let weights = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    combine_kernel::expand(&mut b.scope, y, weights, out, hidden, topk);
+    b.build(
+        KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name("combine_kernel"),
+    )
+}
+
+fn define_copy(props: &DeviceProperties) -> KernelDefinition {
+    use copy_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let input = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let output = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    copy_kernel::expand::<N>(&mut b.scope, VEC, input, output);
+    let name = format!("copy_kernel_n_{VEC}");
+    b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
+}
+
+/// Compiles `spec` to CUDA C++ for `arch`, as cubecl-cuda would on a device of that architecture with CUDA
+/// bindings of version `cuda_version` (unchecked launches, as the launcher's).
+pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<CudaKernelSource, String> {
+    let props = device_properties(arch);
+    let (def, address) = match spec {
+        KernelSpec::ExpertRows { act, spec } => (define_expert_rows(*act, spec, &props), spec.address),
+        KernelSpec::Combine { hidden, topk, address } => (define_combine(*hidden, *topk, *address, &props), *address),
+        KernelSpec::Copy => (define_copy(&props), AddressType::U32),
+    };
+    let entry = def.options.kernel_name.clone();
+    let dim = def.cube_dim;
+    let mut compiler = CudaCompiler::default();
+    let repr = compiler
+        .compile(def, &compilation_options(arch, cuda_version), ExecutionMode::Unchecked, address.unsigned_type())
+        .map_err(|e| format!("{}: CubeCL compilation failed: {e:?}", spec.label()))?;
+    Ok(CudaKernelSource {
+        entry,
+        dynamic_smem: repr.shared_memory_size(),
+        source: repr.to_string(),
+        threads: (dim.x * dim.y * dim.z) as usize,
+    })
+}

@@ -1,0 +1,266 @@
+//! The kernel specialisations of the fused INT4 MoE: the comptime arguments each launch of [`super::gpu`] passes,
+//! derived here once from a [`MoeConfig`], and the list of every specialisation the tuned launch shapes
+//! ([`MoeConfig::for_tokens`]) can reach, which `cargo xtask kernels` compiles for a target architecture.
+
+use burn::cubecl;
+use cubecl::prelude::*;
+
+use super::experts::MoeShape;
+use super::gpu::MoeConfig;
+
+/// Largest number of tokens one step may route through the fused MoE (decode and verification widths).
+pub const MAX_TOKENS: usize = 256;
+
+/// Element type of an `expert_rows_kernel` activation input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Act {
+    /// BF16 layer input (W4A16).
+    Bf16,
+    /// f32 layer input, or the f32 intermediate of the down projection.
+    F32,
+}
+
+impl Act {
+    /// The CubeCL storage type.
+    pub fn storage_type(self) -> StorageType {
+        match self {
+            Self::Bf16 => half::bf16::as_type_native_unchecked().storage_type(),
+            Self::F32 => f32::as_type_native_unchecked().storage_type(),
+        }
+    }
+
+    /// The suffix CubeCL gives the kernel's entry point (`expert_rows_kernel_f_bf16_n_4`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bf16 => "bf16",
+            Self::F32 => "f32",
+        }
+    }
+}
+
+/// Comptime arguments of one `expert_rows_kernel` specialisation (see the kernel's documentation); the launcher
+/// passes exactly these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ExpertRowsSpec {
+    /// Reduction width (columns of the weight rows).
+    pub k: usize,
+    /// Rows of one expert's matrix.
+    pub rows: usize,
+    /// Rows computed together by a warp (`gated`: gate and up, 2).
+    pub rows_at_once: usize,
+    /// INT4 group size.
+    pub group: usize,
+    /// Experts per token.
+    pub topk: usize,
+    /// Tokens per pass.
+    pub tb: usize,
+    /// Row groups per warp, one after the other.
+    pub rows_per_warp: usize,
+    /// Warps per block.
+    pub warps: usize,
+    /// SiLU(gate) * up output (the gate/up launch).
+    pub gated: bool,
+    /// Activation row `pair / topk` (the layer input) instead of `pair` (the intermediate).
+    pub by_token: bool,
+    /// Load the first rows before staging the activations.
+    pub prefetch: bool,
+    /// 32- or 64-bit indexing, from the largest buffer (the experts' packed words).
+    pub address: AddressType,
+}
+
+/// Largest buffer of the experts in elements (picks 32- or 64-bit indexing).
+fn experts_len(s: &MoeShape) -> usize {
+    s.experts * 2 * s.inter * s.hidden / 8
+}
+
+impl ExpertRowsSpec {
+    /// The gate/up launch (SiLU(gate) * up into the `[pairs, inter]` intermediate) for experts routed `tb` tokens
+    /// per pass.
+    pub fn gate_up(s: &MoeShape, topk: usize, cfg: &MoeConfig, tb: usize) -> Self {
+        Self {
+            k: s.hidden,
+            rows: 2 * s.inter,
+            rows_at_once: 2,
+            group: s.group,
+            topk,
+            tb,
+            rows_per_warp: cfg.rows_per_warp_13,
+            warps: cfg.warps,
+            gated: true,
+            by_token: true,
+            prefetch: cfg.prefetch,
+            address: AddressType::from_len(experts_len(s)),
+        }
+    }
+
+    /// The down launch (`[pairs, inter]` f32 intermediate to `[pairs, hidden]`).
+    pub fn down(s: &MoeShape, topk: usize, cfg: &MoeConfig, tb: usize) -> Self {
+        Self {
+            k: s.inter,
+            rows: s.hidden,
+            rows_at_once: cfg.rows_at_once_2,
+            group: s.group,
+            topk,
+            tb,
+            rows_per_warp: cfg.rows_per_warp_2,
+            warps: cfg.warps,
+            gated: false,
+            by_token: false,
+            prefetch: cfg.prefetch,
+            address: AddressType::from_len(experts_len(s)),
+        }
+    }
+
+    /// Threads of a block: one warp per `y`.
+    pub fn cube_dim(&self) -> CubeDim {
+        CubeDim::new_2d(32, self.warps as u32)
+    }
+
+    /// Blocks along `x` (row tiles) for one active expert.
+    pub fn row_tiles(&self) -> u32 {
+        (self.rows / self.rows_at_once).div_ceil(self.warps * self.rows_per_warp) as u32
+    }
+
+    /// Shared memory of the staged activations, bytes: `tb` tokens of `k / 4` 16-byte vectors plus one padding
+    /// vector per 32 columns (the kernel's `xs`).
+    pub fn shared_bytes(&self) -> usize {
+        self.tb * (self.k / 4 + self.k / 32) * 16
+    }
+
+    /// Short label with the activation type: `gate_up bf16 k7168 tb4 w8 rpw2 ra2` etc.
+    pub fn label(&self, act: Act) -> String {
+        format!(
+            "{} {} k{} tb{} w{} rpw{} ra{}{}",
+            if self.gated { "gate_up" } else { "down" },
+            act.name(),
+            self.k,
+            self.tb,
+            self.warps,
+            self.rows_per_warp,
+            self.rows_at_once,
+            if self.prefetch { " pf" } else { "" }
+        )
+    }
+}
+
+/// Tokens per pass of the three expert classes (1, 2 and 3+ routed tokens) under `cfg`.
+pub fn class_tbs(cfg: &MoeConfig) -> [usize; 3] {
+    [1usize, 2, 4].map(|tb| tb.min(cfg.max_tb))
+}
+
+/// Every (launch shape, tokens per pass) the launcher issues for 1..=[`MAX_TOKENS`] tokens, in order:
+/// [`MoeConfig::for_tokens`]`(m)` with the classes of experts that `m` tokens can fill (an expert gets at most `m`
+/// tokens, so class `c` needs `m > c`).
+pub fn tuned_launches() -> Vec<(MoeConfig, usize)> {
+    let mut out: Vec<(MoeConfig, usize)> = Vec::new();
+    for m in 1..=MAX_TOKENS {
+        let cfg = MoeConfig::for_tokens(m);
+        for (class, tb) in class_tbs(&cfg).into_iter().enumerate() {
+            if m > class && !out.contains(&(cfg, tb)) {
+                out.push((cfg, tb));
+            }
+        }
+    }
+    out
+}
+
+/// One kernel specialisation of the fused MoE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelSpec {
+    /// `expert_rows_kernel` (gate/up or down) with activations of type `act`.
+    ExpertRows {
+        /// Activation element type (the kernel's generic `F`).
+        act: Act,
+        /// Comptime arguments.
+        spec: ExpertRowsSpec,
+    },
+    /// `combine_kernel` (weighted sum over a token's experts).
+    Combine {
+        /// Model width.
+        hidden: usize,
+        /// Experts per token.
+        topk: usize,
+        /// Indexing width for [`MAX_TOKENS`] tokens.
+        address: AddressType,
+    },
+    /// `copy_kernel` (the bandwidth ceiling beside the benchmarks).
+    Copy,
+}
+
+impl KernelSpec {
+    /// Threads per block of the launch.
+    pub fn cube_dim(&self) -> CubeDim {
+        match self {
+            Self::ExpertRows { spec, .. } => spec.cube_dim(),
+            Self::Combine { .. } | Self::Copy => CubeDim::new_1d(256),
+        }
+    }
+
+    /// Short label for tables.
+    pub fn label(&self) -> String {
+        match self {
+            Self::ExpertRows { act, spec } => spec.label(*act),
+            Self::Combine { hidden, topk, .. } => format!("combine hidden{hidden} topk{topk}"),
+            Self::Copy => "copy f32x4".into(),
+        }
+    }
+}
+
+/// Every kernel specialisation the launcher can issue for experts of `shape` with `topk` experts per token, over
+/// all tuned launch shapes and both activation types of the gate/up launch; no duplicates.
+pub fn moe_kernel_specs(shape: &MoeShape, topk: usize) -> Vec<KernelSpec> {
+    let mut out: Vec<KernelSpec> = Vec::new();
+    let mut push = |k: KernelSpec| {
+        if !out.contains(&k) {
+            out.push(k);
+        }
+    };
+    for act in [Act::Bf16, Act::F32] {
+        for (cfg, tb) in tuned_launches() {
+            push(KernelSpec::ExpertRows { act, spec: ExpertRowsSpec::gate_up(shape, topk, &cfg, tb) });
+        }
+    }
+    for (cfg, tb) in tuned_launches() {
+        push(KernelSpec::ExpertRows { act: Act::F32, spec: ExpertRowsSpec::down(shape, topk, &cfg, tb) });
+    }
+    let address = AddressType::from_len(MAX_TOKENS * topk * shape.hidden);
+    push(KernelSpec::Combine { hidden: shape.hidden, topk, address });
+    push(KernelSpec::Copy);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const KIMI: MoeShape = MoeShape { hidden: 7168, inter: 2048, experts: 384, group: 32 };
+
+    #[test]
+    fn kimi_specialisations_cover_every_tuned_shape() {
+        let specs = moe_kernel_specs(&KIMI, 8);
+        let rows: Vec<(Act, ExpertRowsSpec)> = specs
+            .iter()
+            .filter_map(|s| match s {
+                KernelSpec::ExpertRows { act, spec } => Some((*act, *spec)),
+                _ => None,
+            })
+            .collect();
+        for m in [1, 2, 3, 8, 32, 128, 256] {
+            let cfg = MoeConfig::for_tokens(m);
+            for tb in class_tbs(&cfg).into_iter().take(m) {
+                for act in [Act::Bf16, Act::F32] {
+                    assert!(rows.contains(&(act, ExpertRowsSpec::gate_up(&KIMI, 8, &cfg, tb))), "m {m} tb {tb}");
+                }
+                assert!(rows.contains(&(Act::F32, ExpertRowsSpec::down(&KIMI, 8, &cfg, tb))), "m {m} tb {tb}");
+            }
+        }
+        // One token fills only 1-token experts: its 16-warp shape never runs with 2 or 4 tokens per pass.
+        let one = MoeConfig::for_tokens(1);
+        assert!(!rows.iter().any(|(_, r)| r.warps == one.warps && r.tb > 1));
+        assert!(rows.iter().all(|(_, r)| r.address == AddressType::U32));
+        assert_eq!(specs.iter().filter(|s| matches!(s, KernelSpec::Combine { .. })).count(), 1);
+        // gate/up at hidden 7168 with 4 tokens per pass stages 126 KiB of activations.
+        let big = rows.iter().map(|(_, r)| r.shared_bytes()).max().unwrap();
+        assert_eq!(big, 129_024);
+    }
+}
