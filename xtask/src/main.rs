@@ -6,6 +6,7 @@
 mod bench;
 mod bench_serve;
 mod gpu;
+mod kernels;
 mod tidy;
 mod tiny_model;
 
@@ -33,6 +34,12 @@ commands:
   bench serve [--url URL] serving benchmark (scripts/bench_serve.py): starts eyrie serve on the embedded tiny
                           model unless --url is given (bench/serve.json)
   gpu-test                GPU kernels vs their CPU references (.device-kern/gpu_kernels check, on a GPU)
+  kernels [--arch sm_120] [--json FILE] [--nvrtc PATH] [--cuda-include DIR] [--install]
+                          every fused-MoE kernel specialisation compiled by NVRTC for an architecture (no GPU):
+                          registers, shared memory, spills; fails if one does not fit a block (default JSON:
+                          target/kernels-<arch>.json; --install pip-installs CUDA 12.8's NVRTC and headers)
+  build --cuda X.Y [--check]
+                          release eyrie (eyrie-server, cuda) with cudarc bindings for CUDA X.Y, in target/cuda-X.Y
   tiny-model [--check]    regenerate crates/server/assets/tiny-model (eyrie serve's default model), or check it
 ";
 
@@ -48,6 +55,8 @@ fn main() -> Result<()> {
         Some("bench") => bench::run(&root, &args[1..]),
         Some("gpu-bundle") => gpu_bundle(&root),
         Some("gpu-test") => gpu::gpu_test(&root),
+        Some("kernels") => kernels::kernels(&root, &args[1..]),
+        Some("build") => kernels::build(&root, &args[1..]),
         Some("tiny-model") => tiny_model::run(&root, &args[1..]),
         Some("help" | "-h" | "--help") | None => {
             print!("{USAGE}");

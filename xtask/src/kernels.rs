@@ -1,0 +1,221 @@
+//! `cargo xtask kernels` (every fused-MoE kernel specialisation compiled for an architecture through NVRTC, no GPU
+//! needed: registers, shared memory, spills, checked against the architecture's per-block limits) and `cargo xtask
+//! build --cuda X.Y` (the release `eyrie` with cudarc bindings for one CUDA version).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+use crate::{cargo, run};
+
+/// The NVRTC and headers `--install` puts under the target dir (pip wheels; CUDA 12.8, the RTX PRO 6000 target).
+const PIP_CUDA: &str = "12.8";
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
+}
+
+/// Where `--install` puts the pip packages (`nvidia/cuda_nvrtc/lib`, `nvidia/cuda_runtime/include`).
+fn pip_dir(root: &Path) -> PathBuf {
+    target_dir(root).join(format!("nvidia-cu{PIP_CUDA}"))
+}
+
+/// The pip command that installs NVRTC and the CUDA runtime headers into `dir`.
+fn pip_command(dir: &Path) -> Command {
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "pip", "install", "--no-deps", "--target"])
+        .arg(dir)
+        .args([format!("nvidia-cuda-nvrtc-cu12=={PIP_CUDA}.*"), format!("nvidia-cuda-runtime-cu12=={PIP_CUDA}.*")]);
+    cmd
+}
+
+/// `libnvrtc.so*` in `dir` (not the builtins or `.alt` variants), newest name first.
+fn nvrtc_in(dir: &Path) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+            name.starts_with("libnvrtc.so") && !name.contains("builtins") && !name.contains(".alt.")
+        })
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+/// The `nvidia` package folder of python3's site-packages, if the pip wheels are installed there.
+fn python_nvidia_dir() -> Option<PathBuf> {
+    let out = Command::new("python3")
+        .args(["-c", "import nvidia.cuda_nvrtc as m, os; print(os.path.dirname(list(m.__path__)[0]))"])
+        .output()
+        .ok()?;
+    let s = String::from_utf8(out.stdout).ok()?;
+    out.status.success().then(|| PathBuf::from(s.trim()))
+}
+
+/// Finds libnvrtc and the folder holding `cuda_runtime.h`: `--nvrtc` / `EYRIE_NVRTC` and `--cuda-include` /
+/// `EYRIE_CUDA_INCLUDE` first, then the pip install under the target dir, python3's site-packages, `CUDA_PATH`,
+/// `/usr/local/cuda`.
+fn find_cuda(root: &Path, nvrtc: Option<PathBuf>, include: Option<PathBuf>) -> Result<(PathBuf, PathBuf)> {
+    let nvrtc = nvrtc.or_else(|| std::env::var_os("EYRIE_NVRTC").map(PathBuf::from));
+    let include = include.or_else(|| std::env::var_os("EYRIE_CUDA_INCLUDE").map(PathBuf::from));
+    // (lib dir, include dir) pairs, in order of preference.
+    let mut places: Vec<(PathBuf, PathBuf)> = Vec::new();
+    for nv in [Some(pip_dir(root).join("nvidia")), python_nvidia_dir()].into_iter().flatten() {
+        places.push((nv.join("cuda_nvrtc/lib"), nv.join("cuda_runtime/include")));
+    }
+    for cuda in
+        [std::env::var_os("CUDA_PATH").map(PathBuf::from), Some(PathBuf::from("/usr/local/cuda"))].into_iter().flatten()
+    {
+        places.push((cuda.join("lib64"), cuda.join("include")));
+    }
+    let lib = match nvrtc {
+        Some(p) if p.is_file() => p,
+        Some(p) => bail!("NVRTC not found at {} (--nvrtc / EYRIE_NVRTC)", p.display()),
+        None => places.iter().find_map(|(lib, _)| nvrtc_in(lib)).with_context(|| {
+            format!(
+                "libnvrtc.so not found (looked in {}); install CUDA {PIP_CUDA}'s NVRTC and headers with \
+                 `cargo xtask kernels --install` (runs `{}`), or pass --nvrtc PATH/libnvrtc.so.12 \
+                 (or set EYRIE_NVRTC)",
+                places.iter().map(|(l, _)| l.display().to_string()).collect::<Vec<_>>().join(", "),
+                crate::render(&pip_command(&pip_dir(root)))
+            )
+        })?,
+    };
+    let include = match include {
+        Some(p) => p,
+        None => {
+            // Prefer the headers next to the NVRTC found (same pip tree or toolkit), then any other place.
+            let lib_dir = lib.parent().map(Path::to_path_buf).unwrap_or_default();
+            let mut order: Vec<&PathBuf> = places.iter().filter(|(l, _)| *l == lib_dir).map(|(_, i)| i).collect();
+            order.extend(places.iter().map(|(_, i)| i));
+            order.into_iter().find(|i| i.join("cuda_runtime.h").is_file()).cloned().with_context(|| {
+                format!(
+                    "cuda_runtime.h not found (the kernels' source includes it and cuda_bf16.h): pip install \
+                     nvidia-cuda-runtime-cu12=={PIP_CUDA}.* (`cargo xtask kernels --install`), or pass \
+                     --cuda-include DIR (or set EYRIE_CUDA_INCLUDE)"
+                )
+            })?
+        }
+    };
+    if !include.join("cuda_runtime.h").is_file() {
+        bail!("{} has no cuda_runtime.h (--cuda-include / EYRIE_CUDA_INCLUDE)", include.display());
+    }
+    Ok((lib, include))
+}
+
+/// `cargo xtask kernels [--arch sm_120] [--json FILE] [--nvrtc PATH] [--cuda-include DIR] [--install]
+/// [--dump DIR] [--shape H,I,E,G] [--topk K]`.
+pub fn kernels(root: &Path, args: &[String]) -> Result<()> {
+    let (mut arch, mut json, mut nvrtc, mut include, mut install) = ("sm_120".to_string(), None, None, None, false);
+    let mut pass = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().cloned().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--arch" => arch = val()?,
+            "--json" => json = Some(PathBuf::from(val()?)),
+            "--nvrtc" => nvrtc = Some(PathBuf::from(val()?)),
+            "--cuda-include" => include = Some(PathBuf::from(val()?)),
+            "--install" => install = true,
+            "--dump" | "--shape" | "--topk" => pass.extend([a.clone(), val()?]),
+            other => bail!("unknown argument {other:?} for `cargo xtask kernels`"),
+        }
+    }
+    if install {
+        run(&mut pip_command(&pip_dir(root)))?;
+    }
+    let (lib, include) = find_cuda(root, nvrtc, include)?;
+    let json = json.unwrap_or_else(|| target_dir(root).join(format!("kernels-{arch}.json")));
+    run(cargo().args([
+        "build",
+        "--release",
+        "--locked",
+        "--package",
+        "eyrie-quant",
+        "--features",
+        "cuda",
+        "--example",
+        "kernel_resources",
+    ]))?;
+    let bin = target_dir(root).join("release/examples/kernel_resources");
+    run(Command::new(bin)
+        .args(["--arch", &arch, "--nvrtc"])
+        .arg(&lib)
+        .arg("--include")
+        .arg(&include)
+        .arg("--json")
+        .arg(&json)
+        .args(&pass))
+    .with_context(|| format!("kernel check for {arch} failed (see the table above)"))
+}
+
+/// cudarc's `CUDARC_CUDA_VERSION` for a CUDA version `X.Y` (`12.8` -> `12080`), if cudarc 0.19 supports it.
+pub(crate) fn cudarc_version(cuda: &str) -> Option<String> {
+    const SUPPORTED: &[&str] = &[
+        "11.4", "11.5", "11.6", "11.7", "11.8", "12.0", "12.1", "12.2", "12.3", "12.4", "12.5", "12.6", "12.8", "12.9",
+        "13.0", "13.1", "13.2", "13.3", "13.4",
+    ];
+    let (major, minor) = cuda.split_once('.')?;
+    SUPPORTED.contains(&cuda).then(|| format!("{major}0{minor}0"))
+}
+
+/// `cargo xtask build --cuda X.Y [--check]`: the release `eyrie` (eyrie-server, feature `cuda`) whose cudarc
+/// bindings target CUDA X.Y. cudarc's build script reads `CUDARC_CUDA_VERSION` before its features, so no manifest
+/// changes; the build goes to its own target dir (`target/cuda-X.Y`), so the default build (which finds no nvcc
+/// here and falls back to cudarc's newest bindings) is not rebuilt each time one switches.
+pub fn build(root: &Path, args: &[String]) -> Result<()> {
+    let (mut cuda, mut check) = (None, false);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--cuda" => cuda = Some(it.next().context("--cuda needs a version such as 12.8")?.clone()),
+            "--check" => check = true,
+            other => bail!("unknown argument {other:?} for `cargo xtask build`"),
+        }
+    }
+    let cuda = cuda.context("usage: cargo xtask build --cuda 12.8 [--check]")?;
+    let version =
+        cudarc_version(&cuda).with_context(|| format!("CUDA {cuda} is not one cudarc 0.19 has bindings for"))?;
+    let dir = target_dir(root).join(format!("cuda-{cuda}"));
+    let mut cmd = cargo();
+    cmd.env("CUDARC_CUDA_VERSION", &version).arg(if check { "check" } else { "build" });
+    if !check {
+        cmd.arg("--release");
+    }
+    cmd.args(["--locked", "--package", "eyrie-server", "--features", "cuda", "--bin", "eyrie", "--target-dir"])
+        .arg(&dir);
+    eprintln!("CUDARC_CUDA_VERSION={version}");
+    run(&mut cmd)?;
+    if !check {
+        eprintln!("built {} (cudarc bindings: CUDA {cuda})", dir.join("release/eyrie").display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cuda_versions_map_to_cudarc_features() {
+        assert_eq!(cudarc_version("12.8").as_deref(), Some("12080"));
+        assert_eq!(cudarc_version("13.0").as_deref(), Some("13000"));
+        assert_eq!(cudarc_version("12.7"), None, "cudarc has no 12.7 bindings");
+        assert_eq!(cudarc_version("12"), None);
+    }
+
+    #[test]
+    fn nvrtc_lookup_skips_builtins_and_alt_libraries() {
+        let dir = std::env::temp_dir().join(format!("xtask-nvrtc-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["libnvrtc-builtins.so.12.8", "libnvrtc.alt.so.12", "__init__.py"] {
+            std::fs::write(dir.join(f), "").unwrap();
+        }
+        assert_eq!(nvrtc_in(&dir), None);
+        std::fs::write(dir.join("libnvrtc.so.12"), "").unwrap();
+        assert_eq!(nvrtc_in(&dir), Some(dir.join("libnvrtc.so.12")));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
