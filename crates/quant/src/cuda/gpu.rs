@@ -88,6 +88,29 @@ impl<R: Runtime> GpuExperts<R> {
         }
     }
 
+    /// Wraps buffers already on the device that hold the [`KernelLayout`] of `shape`: `w13` `[E, 2*inter,
+    /// hidden/8]` and `w2` `[E, hidden, inter/8]` packed words (u32 or the same bits as i32), `s13` / `s2` their
+    /// BF16 scales. A model that keeps its experts on the device builds these there (concatenation and a cast)
+    /// instead of uploading a host layout. Errors name the buffer whose size does not match `shape`.
+    pub fn from_handles(shape: MoeShape, w13: Handle, s13: Handle, w2: Handle, s2: Handle) -> crate::Result<Self> {
+        shape.validate()?;
+        let params = shape.experts * shape.hidden * shape.inter;
+        for (name, handle, bytes) in [
+            ("w13", &w13, 2 * params / 2),
+            ("s13", &s13, 2 * params / shape.group * 2),
+            ("w2", &w2, params / 2),
+            ("s2", &s2, params / shape.group * 2),
+        ] {
+            if (handle.size_in_used() as usize) < bytes {
+                return Err(crate::QuantError::invalid(
+                    name,
+                    format!("holds {} bytes, the layout of {shape:?} needs {bytes}", handle.size_in_used()),
+                ));
+            }
+        }
+        Ok(Self { shape, w13, s13, w2, s2, _runtime: PhantomData })
+    }
+
     /// The layer's sizes.
     pub fn shape(&self) -> MoeShape {
         self.shape
@@ -140,21 +163,21 @@ unsafe fn arg<R: Runtime>(handle: &Handle, len: usize) -> ArrayArg<R> {
 
 /// The fused MoE layer: `out[t] = sum_k w[t,k] * down_e(silu(gate_e(x_t)) * up_e(x_t))`.
 ///
-/// `x`: `[m, hidden]` BF16; `out`: `[m, hidden]` f32 (written, not accumulated). Launches: gate+up with SiLU*up
+/// `x`: `[m, hidden]` activations of type `A` (BF16 as W4A16 kernels take them, or f32); `out`: `[m, hidden]` f32 (written, not accumulated). Launches: gate+up with SiLU*up
 /// for every (token, expert) pair grouped by expert, down for every pair (each one launch per non-empty class of
 /// experts by routed-token count), then the weighted combine per token.
-pub fn moe_forward<R: Runtime>(
+pub fn moe_forward<R: Runtime, A: Float>(
     client: &ComputeClient<R>,
     experts: &GpuExperts<R>,
     x: &Handle,
     routing: &GpuRouting,
     out: &Handle,
 ) {
-    moe_forward_with(client, experts, x, routing, out, &MoeConfig::for_tokens(routing.m), Stages::All);
+    moe_forward_with::<R, A>(client, experts, x, routing, out, &MoeConfig::for_tokens(routing.m), Stages::All);
 }
 
 /// [`moe_forward`] with an explicit launch shape, or only some of its launches (benchmarks).
-pub fn moe_forward_with<R: Runtime>(
+pub fn moe_forward_with<R: Runtime, A: Float>(
     client: &ComputeClient<R>,
     experts: &GpuExperts<R>,
     x: &Handle,
@@ -184,7 +207,7 @@ pub fn moe_forward_with<R: Runtime>(
         // arrays of `Routing`, whose slots, offsets and pair indices are in range by construction.
         unsafe {
             if matches!(stages, Stages::All | Stages::GateUp) {
-                expert_rows_kernel::launch_unchecked::<half::bf16, R>(
+                expert_rows_kernel::launch_unchecked::<A, R>(
                     client,
                     count,
                     k.cube_dim(),
