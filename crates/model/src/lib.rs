@@ -12,6 +12,7 @@ pub mod config;
 pub mod deepseek_v3;
 pub mod device;
 pub mod error;
+pub mod fused_moe;
 pub mod kv_cache;
 pub mod linear;
 pub mod mla;

@@ -9,12 +9,14 @@
 //!
 //! Dispatch: the scores go to the host, the routing is decided there ([`route`], plain Rust), and each selected
 //! expert runs once on exactly the tokens routed to it (gather with `select`, SwiGLU, scale by the weight,
-//! scatter-add with `select_assign`). Unselected experts cost nothing. The shared expert runs on every token.
+//! scatter-add with `select_assign`), or, on CUDA, the fused INT4 kernel runs the layer's selected experts in
+//! three launches ([`crate::fused_moe`]). Unselected experts cost nothing. The shared expert runs on every token.
 
+use burn::tensor::Tensor;
 use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::Backend;
-use burn::tensor::{IndexingUpdateOp, Int, Tensor, TensorData};
 
+use crate::fused_moe::{FusedExperts, run_each};
 use crate::linear::Linear;
 use crate::mlp::{Expert, Mlp};
 
@@ -91,8 +93,10 @@ pub struct Moe<B: Backend> {
     pub gate: Linear<B>,
     /// `mlp.gate.e_score_correction_bias` `[E]`, kept on the host where routing happens.
     pub e_score_correction_bias: Vec<f32>,
-    /// `mlp.experts.{e}`.
+    /// `mlp.experts.{e}`, one by one; empty when `fused` holds them.
     pub experts: Vec<Expert<B>>,
+    /// The routed experts in the fused kernel's layout, instead of `experts` (see [`Moe::fuse`]).
+    pub fused: Option<FusedExperts<B>>,
     /// `mlp.shared_experts` (intermediate `moe_intermediate_size * n_shared_experts`).
     pub shared_experts: Mlp<B>,
     /// Router hyperparameters.
@@ -108,32 +112,42 @@ impl<B: Backend> Moe<B> {
         route(&host, &self.e_score_correction_bias, &self.params)
     }
 
+    /// Routed experts in the block.
+    pub fn n_experts(&self) -> usize {
+        self.fused.as_ref().map_or(self.experts.len(), |f| f.shape.experts)
+    }
+
+    /// Moves the routed experts into the fused kernel's layout when the kernel can run them (the CUDA backend,
+    /// INT4 experts it takes; see [`crate::fused_moe`]); `force` does it on any backend (tests of the layout).
+    /// Returns whether they are fused.
+    pub fn fuse(&mut self, force: bool) -> bool {
+        if self.fused.is_none()
+            && (force || crate::fused_moe::is_cuda::<B>())
+            && let Some(f) = FusedExperts::from_experts(&self.experts)
+        {
+            self.fused = Some(f);
+            self.experts = Vec::new();
+        }
+        self.fused.is_some()
+    }
+
+    /// The routed experts on rows of `x` `[n, d]`: `slots` are `(row, expert, weight)`, `expert` an index into
+    /// this block's experts; `[n, d]` weighted sums per row. `top_k`: slots per row when `slots` is a whole
+    /// routing in order (0 otherwise).
+    pub fn routed(&self, x: Tensor<B, 2>, slots: &[(usize, usize, f32)], top_k: usize) -> Tensor<B, 2> {
+        match &self.fused {
+            Some(f) => f.run(x, slots, top_k),
+            None => run_each(x, slots, self.experts.len(), |e| &self.experts[e]),
+        }
+    }
+
     /// `[n, d] -> [n, d]`.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let [n, d] = x.dims();
-        let device = x.device();
         let routing = self.routing(x.clone());
         let k = self.params.top_k;
-        // Tokens and weights per expert, in token order.
-        let mut per_expert: Vec<(Vec<i64>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.experts.len()];
-        for (slot, (&e, &w)) in routing.experts.iter().zip(&routing.weights).enumerate() {
-            per_expert[e].0.push((slot / k) as i64);
-            per_expert[e].1.push(w);
-        }
-        let mut out = Tensor::<B, 2>::zeros([n, d], &device);
-        for (expert, (tokens, weights)) in self.experts.iter().zip(per_expert) {
-            if tokens.is_empty() {
-                continue;
-            }
-            let m = tokens.len();
-            let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(tokens, [m]), &device);
-            // [m, d]
-            let xe = x.clone().select(0, idx.clone());
-            let w = Tensor::<B, 2>::from_data(TensorData::new(weights, [m, 1]), &device);
-            let ye = expert.forward(xe) * w;
-            out = out.select_assign(0, idx, ye, IndexingUpdateOp::Add);
-        }
-        out + self.shared_experts.forward(x)
+        let slots: Vec<(usize, usize, f32)> =
+            routing.experts.iter().zip(&routing.weights).enumerate().map(|(s, (&e, &w))| (s / k, e, w)).collect();
+        self.routed(x.clone(), &slots, k) + self.shared_experts.forward(x)
     }
 }
 

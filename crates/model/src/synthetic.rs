@@ -80,7 +80,8 @@ impl WeightSource for SyntheticWeights {
         }
         // Bit patterns in [-2^31, 2^31): every nibble of a word takes every value.
         let packed = matrix::<B>(canonical, out, inp / 8, 2_147_483_520.0, device).int().cast(IntDType::I32);
-        let scale = 1.0 / (4.0 * (inp as f32).sqrt());
+        // A BF16 value, as a checkpoint's BF16 scales are (the fused experts hold them as BF16).
+        let scale = burn::tensor::bf16::from_f32(1.0 / (4.0 * (inp as f32).sqrt())).to_f32();
         let scales = Tensor::<B, 2>::ones([out, inp / GROUP], device) * scale;
         Ok(StoredLinear::Int4(Box::new(Int4Tensors {
             packed,

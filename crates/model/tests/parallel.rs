@@ -437,3 +437,36 @@ fn int4_routed_experts_stay_packed_on_the_device() {
         }
     }
 }
+
+/// The fused experts' layout (what CUDA runs through the fused INT4 kernel) holds the same experts: on the CPU,
+/// whose path dequantizes each selected expert from the fused buffers, logits are bit for bit the per-expert
+/// model's, unsharded and expert-parallel (a rank's share cut from the fused buffers).
+#[test]
+fn fused_expert_layout_gives_the_same_logits_unsharded_and_sharded() {
+    let device = Default::default();
+    let full = DeepseekV3::<Flex>::load(fixture("int4_experts"), &device).unwrap();
+    let mut fused = full.clone();
+    let mut n_fused = 0;
+    for layer in &mut fused.layers {
+        if let eyrie_model::deepseek_v3::FeedForward::Moe(moe) = &mut layer.mlp {
+            let n = moe.n_experts();
+            assert!(moe.fuse(true), "the fixture's INT4 experts fit the fused layout");
+            assert!(moe.experts.is_empty() && moe.n_experts() == n);
+            n_fused += 1;
+        }
+    }
+    assert!(n_fused > 0);
+    let rows = prompt_rows("int4_experts");
+    let refs: Vec<&[u32]> = rows.iter().map(Vec::as_slice).collect();
+    let want = host(full.forward(full.token_tensor(&refs, &device).unwrap()));
+    assert_eq!(host(fused.forward(fused.token_tensor(&refs, &device).unwrap())), want);
+    for (tp, ep) in [(1, 2), (2, 2)] {
+        let shards: Vec<_> = (0..tp.max(ep))
+            .map(|rank| ShardedDeepseekV3::from_full(&fused, ShardSpec { rank, tp, ep }).unwrap())
+            .collect();
+        for got in sharded_logits(shards, &rows) {
+            let err = scaled_error(&got, &want);
+            assert!(err <= TOLERANCE, "tp {tp} ep {ep}: error {err}");
+        }
+    }
+}

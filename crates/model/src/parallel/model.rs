@@ -305,7 +305,7 @@ impl<B: Backend> ShardedDeepseekV3<B> {
             let routing = moe.routing(x.clone());
             let k = moe.params.top_k;
             let slots = routing.experts.iter().zip(&routing.weights).enumerate().map(|(s, (&e, &w))| (s / k, e, w));
-            run_local_experts(sharded, x.clone(), slots)
+            run_local_experts(sharded, x.clone(), slots, k)
         } else {
             Tensor::zeros([n, d], &x.device())
         };
@@ -329,7 +329,7 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         let [n, d] = x.dims();
         let device = x.device();
         let moe = &sharded.moe;
-        let (k, per_rank) = (moe.params.top_k, moe.experts.len());
+        let (k, per_rank) = (moe.params.top_k, moe.n_experts());
         // This rank's rows: start..start + len.
         let (start, len) = (rank * n / world, (rank + 1) * n / world - rank * n / world);
         let mut rows: Vec<Vec<f32>> = vec![Vec::new(); world];
@@ -363,7 +363,7 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         let meta = host_rows(all.clone().narrow(1, d, 2))?;
         let slots =
             meta.chunks_exact(2).enumerate().filter(|(_, m)| m[0] >= 0.0).map(|(i, m)| (i, m[0] as usize, m[1]));
-        let done = run_local_experts(sharded, all.narrow(1, 0, d), slots);
+        let done = run_local_experts(sharded, all.narrow(1, 0, d), slots, 0);
         let mut back = Vec::with_capacity(world);
         let mut row = 0;
         for c in counts {
@@ -385,35 +385,24 @@ impl<B: Backend> ShardedDeepseekV3<B> {
 }
 
 /// This rank's routed experts on `x` `[m, d]`: `slots` are `(row, global expert id, weight)` for the experts this
-/// rank holds (others are skipped); each expert runs once on its rows, as [`crate::moe::Moe::forward`] does.
+/// rank holds (others are skipped); each expert runs once on its rows, as [`crate::moe::Moe::forward`] does (or
+/// through the fused kernel). `top_k`: slots per row when `slots` is a whole routing in order, else 0.
 /// Returns `[m, d]`, the weighted expert outputs summed per row.
 fn run_local_experts<B: Backend>(
     sharded: &ShardedMoe<B>,
     x: Tensor<B, 2>,
     slots: impl Iterator<Item = (usize, usize, f32)>,
+    top_k: usize,
 ) -> Tensor<B, 2> {
-    let device = x.device();
     let moe = &sharded.moe;
-    let local = sharded.first_expert..sharded.first_expert + moe.experts.len();
-    // Rows and weights per local expert, in row order.
-    let mut per_expert: Vec<(Vec<i64>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); moe.experts.len()];
-    for (row, e, w) in slots.filter(|(_, e, _)| local.contains(e)) {
-        per_expert[e - local.start].0.push(row as i64);
-        per_expert[e - local.start].1.push(w);
-    }
-    let mut out = Tensor::<B, 2>::zeros(x.dims(), &device);
-    for (expert, (rows, weights)) in moe.experts.iter().zip(per_expert) {
-        if rows.is_empty() {
-            continue;
-        }
-        let m = rows.len();
-        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [m]), &device);
-        // [m, d]
-        let xe = x.clone().select(0, idx.clone());
-        let w = Tensor::<B, 2>::from_data(TensorData::new(weights, [m, 1]), &device);
-        out = out.select_assign(0, idx, expert.forward(xe) * w, IndexingUpdateOp::Add);
-    }
-    out
+    let local = sharded.first_expert..sharded.first_expert + moe.n_experts();
+    let all: Vec<(usize, usize, f32)> = slots.collect();
+    let total = all.len();
+    let mine: Vec<(usize, usize, f32)> =
+        all.into_iter().filter(|(_, e, _)| local.contains(e)).map(|(r, e, w)| (r, e - local.start, w)).collect();
+    // A whole routing stays whole only when every slot is local (one rank holding every expert).
+    let top_k = if mine.len() == total { top_k } else { 0 };
+    moe.routed(x, &mine, top_k)
 }
 
 /// A tensor's values on the host, row-major.

@@ -165,13 +165,13 @@ pub fn shard_mla<B: Backend>(mla: &Mla<B>, part: usize, ways: usize) -> Mla<B> {
     }
 }
 
-/// A rank's MoE block: the replicated router, its routed experts `first_expert..first_expert + experts.len()`
-/// (as `moe.experts`) and its tensor-parallel shard of the shared experts (as `moe.shared_experts`).
+/// A rank's MoE block: the replicated router, its routed experts `first_expert..first_expert + n_experts()`
+/// (as `moe.experts` or `moe.fused`) and its tensor-parallel shard of the shared experts (as `moe.shared_experts`).
 #[derive(Debug, Clone)]
 pub struct ShardedMoe<B: Backend> {
     /// Router, local experts, shared-expert shard.
     pub moe: Moe<B>,
-    /// Global id of `moe.experts[0]`.
+    /// Global id of the first local expert.
     pub first_expert: usize,
 }
 
@@ -193,14 +193,20 @@ pub(crate) struct Held {
 /// [`shard_moe`] of a block holding what `held` says.
 pub(crate) fn shard_moe_as<B: Backend>(moe: &Moe<B>, spec: &ShardSpec, held: Held) -> ShardedMoe<B> {
     let experts_local = held.experts;
-    let n_experts = if experts_local { moe.experts.len() * spec.ep } else { moe.experts.len() };
+    let n_experts = if experts_local { moe.n_experts() * spec.ep } else { moe.n_experts() };
     let range = spec.experts(n_experts);
+    let (experts, fused) = match (&moe.fused, experts_local) {
+        (_, true) => (moe.experts.clone(), moe.fused.clone()),
+        (Some(f), false) => (Vec::new(), Some(f.narrow(range.clone()))),
+        (None, false) => (moe.experts[range.clone()].to_vec(), None),
+    };
     ShardedMoe {
         first_expert: range.start,
         moe: Moe {
             gate: moe.gate.clone(),
             e_score_correction_bias: moe.e_score_correction_bias.clone(),
-            experts: if experts_local { moe.experts.clone() } else { moe.experts[range].to_vec() },
+            experts,
+            fused,
             shared_experts: if held.tp_slices {
                 moe.shared_experts.clone()
             } else {

@@ -1,0 +1,255 @@
+//! Routed experts held as one buffer per tensor kind (the layout of `eyrie_quant::cuda::KernelLayout`), so the
+//! fused INT4 MoE kernel (`eyrie_quant::cuda::moe_forward`) runs a layer's selected experts in three launches.
+//!
+//! [`FusedExperts`] is built on the device from a block's [`Expert`]s (concatenation, and the BF16 scales cast
+//! back to BF16, which is exact because they are BF16 values), and replaces them: the INT4 bytes are held once.
+//! It is made only where the kernel can run (the CUDA backend, symmetric INT4 with BF16 scales and a group that
+//! is a multiple of 32 dividing both widths; [`FusedExperts::from_experts`] says no otherwise).
+//!
+//! Which path a step takes ([`FusedExperts::run`]):
+//! - the kernel, on CUDA, for up to [`KERNEL_MAX_PAIRS`] token-expert pairs (decode and verification widths).
+//!   Activations stay f32 (no BF16 rounding of the inputs); the kernel multiplies each weight's exact value
+//!   `q * scale` where compressed-tensors rounds that product to BF16 first, a difference of about 2e-3 of the
+//!   output's norm (`bench/REPORT.md`, fused INT4 MoE correctness);
+//! - otherwise (prefill widths, or a backend without the kernel) each selected expert is dequantized from the
+//!   fused buffers, bit for bit the weights [`Expert::forward`] uses, and runs on its rows as before.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorData};
+use eyrie_quant::Dtype;
+use eyrie_quant::burn::Int4Tensors;
+use eyrie_quant::cuda::MoeShape;
+
+use crate::linear::StoredLinear;
+use crate::mlp::Expert;
+
+/// Largest number of (token, expert) pairs a step sends through the kernel: the widths it was built and tuned
+/// for (256 tokens of top-8 at most; 2048 pairs is 8 tokens per expert on average at Kimi-K2's 384 experts).
+/// Wider steps (prefill chunks) take the dequantize-and-matmul path, whose matmuls use tensor cores.
+pub const KERNEL_MAX_PAIRS: usize = 2048;
+
+/// One MoE block's routed experts in the kernel layout (see the module docs).
+#[derive(Debug, Clone)]
+pub struct FusedExperts<B: Backend> {
+    /// Sizes.
+    pub shape: MoeShape,
+    /// `[E * 2 * inter, hidden / 8]` packed words (i32 bits), per expert its `gate_proj` rows then `up_proj` rows.
+    pub w13: Tensor<B, 2, Int>,
+    /// `[E * 2 * inter, hidden / group]` BF16 scales.
+    pub s13: Tensor<B, 2>,
+    /// `[E * hidden, inter / 8]` packed words of `down_proj`.
+    pub w2: Tensor<B, 2, Int>,
+    /// `[E * hidden, inter / group]` BF16 scales.
+    pub s2: Tensor<B, 2>,
+}
+
+impl<B: Backend> FusedExperts<B> {
+    /// The fused layout of `experts`, or `None` when the kernel cannot take them (any expert not symmetric INT4
+    /// with BF16 scales, a group that is not a multiple of 32 dividing both widths, differing shapes, none).
+    pub fn from_experts(experts: &[Expert<B>]) -> Option<Self> {
+        let int4 = |l: &StoredLinear<B>| match l {
+            StoredLinear::Int4(w) if w.zero_points.is_none() && w.scale_dtype == Dtype::BF16 => Some((**w).clone()),
+            _ => None,
+        };
+        let first = experts.first()?;
+        let g = int4(&first.gate_proj)?;
+        let shape = MoeShape { hidden: g.shape[1], inter: g.shape[0], experts: experts.len(), group: g.group_size };
+        shape.validate().ok()?;
+        let (mut w13, mut s13, mut w2, mut s2) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for e in experts {
+            let (gate, up, down) = (int4(&e.gate_proj)?, int4(&e.up_proj)?, int4(&e.down_proj)?);
+            let unit = [shape.inter, shape.hidden];
+            if gate.shape != unit || up.shape != unit || down.shape != [shape.hidden, shape.inter] {
+                return None;
+            }
+            if [&gate, &up, &down].iter().any(|w| w.group_size != shape.group) {
+                return None;
+            }
+            w13.extend([gate.packed, up.packed]);
+            s13.extend([gate.scales, up.scales]);
+            w2.push(down.packed);
+            s2.push(down.scales);
+        }
+        Some(Self {
+            shape,
+            w13: Tensor::cat(w13, 0),
+            s13: Tensor::cat(s13, 0).cast(FloatDType::BF16),
+            w2: Tensor::cat(w2, 0),
+            s2: Tensor::cat(s2, 0).cast(FloatDType::BF16),
+        })
+    }
+
+    /// Experts `range` only (a rank's share under expert parallelism).
+    pub fn narrow(&self, range: std::ops::Range<usize>) -> Self {
+        let s = self.shape;
+        let n = range.len();
+        Self {
+            shape: MoeShape { experts: n, ..s },
+            w13: self.w13.clone().narrow(0, range.start * 2 * s.inter, n * 2 * s.inter),
+            s13: self.s13.clone().narrow(0, range.start * 2 * s.inter, n * 2 * s.inter),
+            w2: self.w2.clone().narrow(0, range.start * s.hidden, n * s.hidden),
+            s2: self.s2.clone().narrow(0, range.start * s.hidden, n * s.hidden),
+        }
+    }
+
+    /// Expert `e` as the [`Expert`] it was made from (the same packed words and scales, so the same outputs).
+    pub fn expert(&self, e: usize) -> Expert<B> {
+        let s = self.shape;
+        let part = |w: &Tensor<B, 2, Int>, sc: &Tensor<B, 2>, row: usize, out: usize, inp: usize| {
+            StoredLinear::Int4(Box::new(Int4Tensors {
+                packed: w.clone().narrow(0, row, out),
+                scales: sc.clone().narrow(0, row, out).cast(FloatDType::F32),
+                zero_points: None,
+                shape: [out, inp],
+                group_size: s.group,
+                scale_dtype: Dtype::BF16,
+            }))
+        };
+        let r13 = e * 2 * s.inter;
+        Expert {
+            gate_proj: part(&self.w13, &self.s13, r13, s.inter, s.hidden),
+            up_proj: part(&self.w13, &self.s13, r13 + s.inter, s.inter, s.hidden),
+            down_proj: part(&self.w2, &self.s2, e * s.hidden, s.hidden, s.inter),
+        }
+    }
+
+    /// The routed experts on rows of `x` `[n, d]`: `slots` are `(row, expert, weight)` with `expert` an index
+    /// into these experts; returns `[n, d]`, each row the weighted sum of its slots' expert outputs (zero for a
+    /// row without slots). `top_k`: slots per token when `slots` is a whole routing in order (slot `i` on row
+    /// `i / top_k`), which lets the kernel read `x` in place.
+    pub fn run(&self, x: Tensor<B, 2>, slots: &[(usize, usize, f32)], top_k: usize) -> Tensor<B, 2> {
+        #[cfg(feature = "cuda")]
+        if slots.len() <= KERNEL_MAX_PAIRS
+            && let Some(out) = kernel::run(self, x.clone(), slots, top_k)
+        {
+            return out;
+        }
+        let _ = top_k;
+        run_each(x, slots, self.shape.experts, |e| self.expert(e))
+    }
+}
+
+/// Each selected expert once, on exactly its rows (gather, SwiGLU, scale by the weight, scatter-add), as
+/// `Moe::forward` has always done. `expert(e)` gives expert `e` of `n_experts`.
+pub(crate) fn run_each<B: Backend, X: std::borrow::Borrow<Expert<B>>>(
+    x: Tensor<B, 2>,
+    slots: &[(usize, usize, f32)],
+    n_experts: usize,
+    expert: impl Fn(usize) -> X,
+) -> Tensor<B, 2> {
+    let device = x.device();
+    // Rows and weights per expert, in slot order.
+    let mut per_expert: Vec<(Vec<i64>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); n_experts];
+    for &(row, e, w) in slots {
+        per_expert[e].0.push(row as i64);
+        per_expert[e].1.push(w);
+    }
+    let mut out = Tensor::<B, 2>::zeros(x.dims(), &device);
+    for (e, (rows, weights)) in per_expert.into_iter().enumerate() {
+        if rows.is_empty() {
+            continue;
+        }
+        let m = rows.len();
+        let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [m]), &device);
+        // [m, d]
+        let xe = x.clone().select(0, idx.clone());
+        let w = Tensor::<B, 2>::from_data(TensorData::new(weights, [m, 1]), &device);
+        let ye = expert(e).borrow().forward(xe) * w;
+        out = out.select_assign(0, idx, ye, IndexingUpdateOp::Add);
+    }
+    out
+}
+
+/// Whether `B` is burn's CUDA backend (where the kernel runs).
+pub fn is_cuda<B: Backend>() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        std::any::TypeId::of::<B::FloatTensorPrimitive>() == std::any::TypeId::of::<kernel::Cube>()
+    }
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+#[cfg(feature = "cuda")]
+mod kernel {
+    //! The kernel path: burn's CUDA tensors are CubeCL buffers; their handles go to `eyrie_quant::cuda`.
+
+    use std::any::Any;
+
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{DType, Int, Shape, Tensor, TensorData, TensorPrimitive};
+    use burn_cubecl::kernel::into_contiguous;
+    use eyrie_quant::cuda::{GpuExperts, GpuRouting, Routing, moe_forward};
+
+    use super::FusedExperts;
+
+    pub(super) type Cube = burn_cubecl::tensor::CubeTensor<burn::cubecl::cuda::CudaRuntime>;
+
+    fn float<B: Backend>(t: Tensor<B, 2>) -> Option<Cube> {
+        let boxed: Box<dyn Any> = Box::new(t.into_primitive().tensor());
+        boxed.downcast::<Cube>().ok().map(|c| into_contiguous(*c))
+    }
+
+    fn int<B: Backend>(t: Tensor<B, 2, Int>) -> Option<Cube> {
+        let boxed: Box<dyn Any> = Box::new(t.into_primitive());
+        boxed.downcast::<Cube>().ok().map(|c| into_contiguous(*c))
+    }
+
+    fn back<B: Backend>(c: Cube) -> Option<Tensor<B, 2>> {
+        let boxed: Box<dyn Any> = Box::new(c);
+        let prim = boxed.downcast::<B::FloatTensorPrimitive>().ok()?;
+        Some(Tensor::from_primitive(TensorPrimitive::Float(*prim)))
+    }
+
+    /// `None` when this is not the CUDA backend or the activations are not f32 (the caller then takes the
+    /// generic path).
+    pub(super) fn run<B: Backend>(
+        f: &FusedExperts<B>,
+        x: Tensor<B, 2>,
+        slots: &[(usize, usize, f32)],
+        top_k: usize,
+    ) -> Option<Tensor<B, 2>> {
+        let [n, d] = x.dims();
+        if !super::is_cuda::<B>() || slots.is_empty() {
+            return None;
+        }
+        let device = x.device();
+        // A whole routing in order reads `x` in place; any other slot list reads its rows gathered, one "token"
+        // per slot.
+        let whole = top_k > 0 && slots.len() == n * top_k && slots.iter().enumerate().all(|(i, s)| s.0 == i / top_k);
+        let (xs, m, k, rows) = if whole {
+            (x, n, top_k, None)
+        } else {
+            let rows: Vec<i64> = slots.iter().map(|s| s.0 as i64).collect();
+            let idx = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [slots.len()]), &device);
+            (x.select(0, idx.clone()), slots.len(), 1, Some(idx))
+        };
+        let ids: Vec<u32> = slots.iter().map(|s| s.1 as u32).collect();
+        let weights: Vec<f32> = slots.iter().map(|s| s.2).collect();
+        let routing = Routing::new(&ids, m, k, f.shape.experts).ok()?;
+        let xc = float(xs)?;
+        if xc.dtype != DType::F32 {
+            return None;
+        }
+        let client = xc.client.clone();
+        let experts = GpuExperts::from_handles(
+            f.shape,
+            int(f.w13.clone())?.handle,
+            float(f.s13.clone())?.handle,
+            int(f.w2.clone())?.handle,
+            float(f.s2.clone())?.handle,
+        )
+        .ok()?;
+        let groute = GpuRouting::upload(&client, &routing, &weights);
+        let out = client.empty(m * d * 4);
+        moe_forward::<_, f32>(&client, &experts, &xc.handle, &groute, &out);
+        let out = Cube::new_contiguous(client, xc.device.clone(), Shape::new([m, d]), out, DType::F32);
+        let out = back::<B>(out)?;
+        Some(match rows {
+            None => out,
+            Some(idx) => {
+                Tensor::<B, 2>::zeros([n, d], &device).select_assign(0, idx, out, burn::tensor::IndexingUpdateOp::Add)
+            }
+        })
+    }
+}
