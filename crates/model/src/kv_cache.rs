@@ -42,6 +42,9 @@ pub struct SequenceCache {
 pub struct PagedMlaCache<B: Backend> {
     /// Per layer `[num_blocks * block_size, kv_lora_rank + qk_rope_head_dim]`.
     pools: Vec<Tensor<B, 2>>,
+    /// A `[1, width]` tensor that stands in for a pool while it is being written, so the pool's buffer has one
+    /// owner and the write happens in place (burn copies the whole tensor when another handle shares it).
+    spare: Tensor<B, 2>,
     block_size: usize,
     blocks: BlockPool,
 }
@@ -57,7 +60,8 @@ impl<B: Backend> PagedMlaCache<B> {
         let width = config.kv_a_dim();
         let pools =
             (0..config.num_hidden_layers).map(|_| Tensor::zeros([num_blocks * block_size, width], device)).collect();
-        Ok(Self { pools, block_size, blocks: BlockPool::new(num_blocks, block_size) })
+        let spare = Tensor::zeros([1, width], device);
+        Ok(Self { pools, spare, block_size, blocks: BlockPool::new(num_blocks, block_size) })
     }
 
     /// Tokens per block.
@@ -168,7 +172,8 @@ impl<B: Backend> PagedMlaCache<B> {
             let run = (self.block_size - pos % self.block_size).min(start + n - pos);
             let row = self.slot(seq, pos);
             let values = latents.clone().narrow(0, pos - start, run);
-            let pool = self.pools[layer].clone();
+            // Taken out (not cloned), so `slice_assign` owns the only handle and writes in place.
+            let pool = std::mem::replace(&mut self.pools[layer], self.spare.clone());
             self.pools[layer] = pool.slice_assign([row..row + run, 0..width], values);
             pos += run;
         }
