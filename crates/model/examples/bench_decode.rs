@@ -3,18 +3,19 @@
 //! the GPUs (`eyrie_model::synthetic`), on one GPU or spread over `tp x ep` GPUs with NCCL
 //! (`eyrie_model::parallel::ParallelGroup`, the server's code path). Issue 7's scaling benchmark.
 //!
-//! For each split and batch: every sequence is prefilled with `--context` tokens (1024-token chunks), then
-//! `--steps` decode steps (one token per sequence) are timed after 2 untimed ones. Printed and written as JSON
-//! (rewritten after every split; progress lines carry the seconds since start): ms per step, the share of rank
-//! 0's step inside collectives, and the roofline: the bytes rank 0 must read per step over the copy bandwidth
-//! measured in the same run on GPU 0. Those bytes: its f32 weights (attention with its heads, its dense-MLP and
-//! shared-expert slices, the router, `lm_head`), the expected number of distinct routed experts it holds,
-//! `E (1 - (1 - k/E)^batch) / ep` for uniform routing, at INT4's 0.625 bytes a parameter (packed words + f32
-//! group scales, as they sit on the device), and the latent cache. Today's expert path dequantizes each used
-//! expert to f32 before its matmuls (issue 4's fused kernel reads the packed bytes directly), so it moves more
-//! than the roofline counts.
+//! For each split and batch: every sequence is prefilled with `--context` tokens (1024-token chunks), then `--steps`
+//! decode steps (one token per sequence) are timed one by one after `--warmup` untimed ones (kernel compilation and
+//! matmul autotuning happen there); the median step is reported, with the mean and the slowest. Printed and written as
+//! JSON (rewritten after every split; progress lines carry the seconds since start): ms per step, the share of rank 0's
+//! step inside collectives, and the roofline: the bytes rank 0 must read per step over the copy bandwidth measured in
+//! the same run on GPU 0. Those bytes: its f32 weights (attention with its heads, its dense-MLP and shared-expert
+//! slices, the router, `lm_head`), the expected number of distinct routed experts it holds, `E (1 - (1 - k/E)^batch) /
+//! ep` for uniform routing, at INT4's 0.5625 bytes a parameter (packed words + BF16 group scales, as the fused layout
+//! holds them on the GPU), and the latent cache. On CUDA decode steps run the routed experts through the fused INT4
+//! kernel, which reads exactly those bytes; attention, the dense and shared MLPs and `lm_head` are f32 matmuls today
+//! (issue 4).
 //!
-//! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8]
+//! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8] [--warmup 3]
 //!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR]
 //! (`--device cpu --config fixtures/model/yarn_qlora`: the same code on the CPU backend with a small config and
 //! threads for ranks, a smoke test of this program before it spends GPU time)
@@ -41,8 +42,9 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 
 const BLOCK: usize = 64;
 const CHUNK: usize = 1024;
-/// Bytes a parameter of an INT4 expert on the device: half a byte of packed word, an f32 scale per 32.
-const INT4_BYTES: f64 = 0.5 + 4.0 / 32.0;
+/// Bytes a parameter of an INT4 expert on the device: half a byte of packed word, a BF16 scale per 32 (the
+/// fused layout, `eyrie_model::fused_moe`).
+const INT4_BYTES: f64 = 0.5 + 2.0 / 32.0;
 
 /// Copy bandwidth on `device` (read + write bytes per second) of burn's elementwise kernel on 1 GiB.
 fn copy_bandwidth<B: Backend>(device: &B::Device, n: usize) -> Result<f64, Error> {
@@ -96,7 +98,10 @@ struct Row {
     ep: usize,
     batch: usize,
     context: usize,
+    /// Median step.
     ms: f64,
+    mean_ms: f64,
+    max_ms: f64,
     roofline_ms: f64,
     collective_share: Option<f64>,
     gb: f64,
@@ -110,7 +115,7 @@ fn run_split<B: ParallelBackend>(
     (tp, ep): (usize, usize),
     batches: &[usize],
     context: usize,
-    steps: usize,
+    (warmup, steps): (usize, usize),
     bandwidth: f64,
     deadline: Instant,
 ) -> Result<Vec<Row>, Error> {
@@ -149,16 +154,20 @@ fn run_split<B: ParallelBackend>(
             let _ = logits.into_data();
             Ok(())
         };
-        for i in 0..2 {
+        for i in 0..warmup {
             step(&mut group, i)?;
             eprintln!("[{:.0} s] split {tp}x{ep} batch {batch}: warm-up step {i} done", t());
         }
         let before = group.time_in_collectives();
         let timed = Instant::now();
+        let mut each = Vec::with_capacity(steps);
         for i in 0..steps {
-            step(&mut group, 2 + i)?;
+            let one = Instant::now();
+            step(&mut group, warmup + i)?;
+            each.push(one.elapsed().as_secs_f64() * 1e3);
         }
         let elapsed = timed.elapsed();
+        each.sort_by(f64::total_cmp);
         let share = match (before, group.time_in_collectives()) {
             (Some((_, a)), Some((_, b))) => Some((b - a).as_secs_f64() / elapsed.as_secs_f64()),
             _ => None,
@@ -170,22 +179,28 @@ fn run_split<B: ParallelBackend>(
             ep,
             batch,
             context,
-            ms: elapsed.as_secs_f64() * 1e3 / steps as f64,
+            ms: each[steps / 2],
+            mean_ms: elapsed.as_secs_f64() * 1e3 / steps as f64,
+            max_ms: each[steps - 1],
             roofline_ms: bytes / bandwidth * 1e3,
             collective_share: share,
             gb: bytes / 1e9,
             prefill_s,
         };
         eprintln!(
-            "[{:.0} s] split {tp}x{ep} batch {batch}: {:.1} ms/step (roofline {:.2} ms), prefill {:.1} s",
+            "[{:.0} s] split {tp}x{ep} batch {batch}: {:.1} ms/step median, {:.1} mean, {:.1} max (roofline {:.2} ms), prefill {:.1} s",
             t(),
             row.ms,
+            row.mean_ms,
+            row.max_ms,
             row.roofline_ms,
             prefill_s
         );
         rows.push(row);
     }
     drop(group);
+    // Rank 0's memory back to the device (the workers give theirs back as they exit).
+    B::memory_cleanup(&device);
     Ok(rows)
 }
 
@@ -194,6 +209,7 @@ struct Run<'a> {
     config: &'a ModelConfig,
     batches: &'a [usize],
     context: usize,
+    warmup: usize,
     steps: usize,
     deadline: Instant,
 }
@@ -216,7 +232,8 @@ impl Run<'_> {
                 continue;
             }
             let (c, b) = (self.config, self.batches);
-            match run_split::<B>(first, c, split, b, self.context, self.steps, bandwidth, self.deadline) {
+            match run_split::<B>(first, c, split, b, self.context, (self.warmup, self.steps), bandwidth, self.deadline)
+            {
                 Ok(r) => rows.extend(r),
                 Err(e) => failures.push(format!("{}x{}: {e}", split.0, split.1)),
             }
@@ -244,7 +261,7 @@ fn write_json(
         .iter()
         .map(|r| {
             serde_json::json!({"tp": r.tp, "ep": r.ep, "gpus": r.tp.max(r.ep), "batch": r.batch,
-                "context": r.context, "ms_per_step": r.ms, "rank0_gb_per_step": r.gb,
+                "context": r.context, "ms_per_step": r.ms, "mean_ms": r.mean_ms, "max_ms": r.max_ms, "rank0_gb_per_step": r.gb,
                 "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s})
         })
         .collect();
@@ -258,6 +275,7 @@ fn main() -> Result<(), Error> {
     let mut args = std::env::args().skip(1);
     let (mut splits, mut layers, mut batches) = ("1x1,2x1,1x2".to_string(), 2usize, vec![1usize, 8]);
     let (mut context, mut steps, mut json, mut budget) = (1024usize, 8usize, None, Duration::from_secs(600));
+    let mut warmup = 3usize;
     let (mut cpu, mut config_dir) = (false, None::<String>);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or_else(|| Error::from(format!("{a} needs a value")));
@@ -267,6 +285,7 @@ fn main() -> Result<(), Error> {
             "--batch" => batches = value()?.split(',').map(str::parse).collect::<Result<_, _>>()?,
             "--context" => context = value()?.parse()?,
             "--steps" => steps = value()?.parse()?,
+            "--warmup" => warmup = value()?.parse()?,
             "--json" => json = Some(value()?),
             "--budget-s" => budget = Duration::from_secs(value()?.parse()?),
             "--device" => cpu = value()? == "cpu",
@@ -293,7 +312,7 @@ fn main() -> Result<(), Error> {
         Some(dir) => ModelConfig::from_dir(dir)?,
     };
     t();
-    let run = Run { config: &config, batches: &batches, context, steps, deadline };
+    let run = Run { config: &config, batches: &batches, context, warmup, steps, deadline };
     let (bandwidth, outcomes) = if cpu {
         run.all::<burn::backend::Flex>(&Default::default(), &splits, 1 << 24)?
     } else {
@@ -301,7 +320,7 @@ fn main() -> Result<(), Error> {
     };
     let (rows, failures) = outcomes;
     println!(
-        "\n{} layers, hidden {}, {} routed experts (INT4), f32 others, context {context}, {steps} timed steps; copy bandwidth {:.0} GB/s",
+        "\n{} layers, hidden {}, {} routed experts (INT4), f32 others, context {context}, {warmup} warm-up and {steps} timed steps (median shown); copy bandwidth {:.0} GB/s",
         config.num_hidden_layers,
         config.hidden_size,
         config.n_routed_experts,

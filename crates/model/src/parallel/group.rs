@@ -377,6 +377,14 @@ fn spawn_worker<B: Backend>(setup: WorkerSetup<B>) -> Result<Worker> {
 }
 
 fn worker_loop<B: Backend>(setup: WorkerSetup<B>, jobs: Receiver<Job>, done: Sender<Result<()>>) {
+    let device = setup.device.clone();
+    worker_steps(setup, jobs, done);
+    // The shard and its cache are gone: give the device memory they used back (CubeCL keeps freed buffers in
+    // its pools otherwise, and a later group on the same GPU may need the room in other sizes).
+    B::memory_cleanup(&device);
+}
+
+fn worker_steps<B: Backend>(setup: WorkerSetup<B>, jobs: Receiver<Job>, done: Sender<Result<()>>) {
     let WorkerSetup { source, spec, comm, device, num_blocks, block_size } = setup;
     let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<_> {
         let shard = source.shard::<B>(spec, &device)?;
