@@ -299,6 +299,8 @@ def main():
     import transformers
 
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("hf_slice_peer: no CUDA device (use --device cpu --tiny for a smoke test)")
