@@ -174,7 +174,8 @@ fn main() -> Result<()> {
     );
 
     let mut rows = Vec::new();
-    for spec in moe_kernel_specs(&args.shape, args.topk) {
+    // The launches the launcher makes on this architecture (4-token passes capped where they do not fit).
+    for spec in moe_kernel_specs(&args.shape, args.topk, args.arch.max_shared_per_block()) {
         let src = cuda_source(&spec, args.arch, cuda_version).map_err(anyhow::Error::msg)?;
         if let Some(dir) = &args.dump {
             std::fs::create_dir_all(dir)?;

@@ -51,6 +51,22 @@ impl MoeConfig {
     }
 }
 
+impl MoeConfig {
+    /// This launch shape with fewer tokens per pass where a block would stage more activations than `limit`
+    /// bytes of shared memory allow (the device's per-block opt-in limit: 227 KiB on an H200, 99 KiB on SM120,
+    /// where 4 tokens of a 7168-wide input need 126 KiB; `docs/SM120.md`).
+    pub fn fit_shared_memory(mut self, shape: &MoeShape, limit: usize) -> Self {
+        let fits = |cfg: &Self| {
+            ExpertRowsSpec::gate_up(shape, 1, cfg, cfg.max_tb).shared_bytes() <= limit
+                && ExpertRowsSpec::down(shape, 1, cfg, cfg.max_tb).shared_bytes() <= limit
+        };
+        while self.max_tb > 1 && !fits(&self) {
+            self.max_tb /= 2;
+        }
+        self
+    }
+}
+
 /// Which launches [`moe_forward_with`] issues (all, or one alone for per-stage timing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stages {
@@ -173,7 +189,9 @@ pub fn moe_forward<R: Runtime, A: Float>(
     routing: &GpuRouting,
     out: &Handle,
 ) {
-    moe_forward_with::<R, A>(client, experts, x, routing, out, &MoeConfig::for_tokens(routing.m), Stages::All);
+    let limit = client.properties().hardware.max_shared_memory_size;
+    let cfg = MoeConfig::for_tokens(routing.m).fit_shared_memory(&experts.shape, limit);
+    moe_forward_with::<R, A>(client, experts, x, routing, out, &cfg, Stages::All);
 }
 
 /// [`moe_forward`] with an explicit launch shape, or only some of its launches (benchmarks).

@@ -149,12 +149,13 @@ pub fn class_tbs(cfg: &MoeConfig) -> [usize; 3] {
 }
 
 /// Every (launch shape, tokens per pass) the launcher issues for 1..=[`MAX_TOKENS`] tokens, in order:
-/// [`MoeConfig::for_tokens`]`(m)` with the classes of experts that `m` tokens can fill (an expert gets at most `m`
-/// tokens, so class `c` needs `m > c`).
-pub fn tuned_launches() -> Vec<(MoeConfig, usize)> {
+/// [`MoeConfig::for_tokens`]`(m)`, fitted to `smem_limit` bytes of shared memory a block
+/// ([`MoeConfig::fit_shared_memory`], as `moe_forward` does for the device), with the classes of experts that `m`
+/// tokens can fill (an expert gets at most `m` tokens, so class `c` needs `m > c`).
+pub fn tuned_launches(shape: &MoeShape, smem_limit: usize) -> Vec<(MoeConfig, usize)> {
     let mut out: Vec<(MoeConfig, usize)> = Vec::new();
     for m in 1..=MAX_TOKENS {
-        let cfg = MoeConfig::for_tokens(m);
+        let cfg = MoeConfig::for_tokens(m).fit_shared_memory(shape, smem_limit);
         for (class, tb) in class_tbs(&cfg).into_iter().enumerate() {
             if m > class && !out.contains(&(cfg, tb)) {
                 out.push((cfg, tb));
@@ -207,8 +208,9 @@ impl KernelSpec {
 }
 
 /// Every kernel specialisation the launcher can issue for experts of `shape` with `topk` experts per token, over
-/// all tuned launch shapes and both activation types of the gate/up launch; no duplicates.
-pub fn moe_kernel_specs(shape: &MoeShape, topk: usize) -> Vec<KernelSpec> {
+/// all tuned launch shapes on a device of `smem_limit` bytes of shared memory a block and both activation types of
+/// the gate/up launch; no duplicates.
+pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec<KernelSpec> {
     let mut out: Vec<KernelSpec> = Vec::new();
     let mut push = |k: KernelSpec| {
         if !out.contains(&k) {
@@ -216,11 +218,11 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize) -> Vec<KernelSpec> {
         }
     };
     for act in [Act::Bf16, Act::F32] {
-        for (cfg, tb) in tuned_launches() {
+        for (cfg, tb) in tuned_launches(shape, smem_limit) {
             push(KernelSpec::ExpertRows { act, spec: ExpertRowsSpec::gate_up(shape, topk, &cfg, tb) });
         }
     }
-    for (cfg, tb) in tuned_launches() {
+    for (cfg, tb) in tuned_launches(shape, smem_limit) {
         push(KernelSpec::ExpertRows { act: Act::F32, spec: ExpertRowsSpec::down(shape, topk, &cfg, tb) });
     }
     let address = AddressType::from_len(MAX_TOKENS * topk * shape.hidden);
@@ -235,9 +237,28 @@ mod tests {
 
     const KIMI: MoeShape = MoeShape { hidden: 7168, inter: 2048, experts: 384, group: 32 };
 
+    /// On SM120 (99 KiB a block) the tuned shapes lose their 4-token passes at Kimi's width, and every launch
+    /// they make fits; on an H200 (227 KiB) nothing changes.
+    #[test]
+    fn launch_shapes_fit_the_device_shared_memory() {
+        let (sm120, h200) = (101_376, 232_448);
+        let mut capped = 0;
+        for m in 1..=MAX_TOKENS {
+            let cfg = MoeConfig::for_tokens(m);
+            assert_eq!(cfg.fit_shared_memory(&KIMI, h200), cfg, "m {m}");
+            let fit = cfg.fit_shared_memory(&KIMI, sm120);
+            capped += usize::from(fit != cfg);
+            for tb in class_tbs(&fit) {
+                assert!(ExpertRowsSpec::gate_up(&KIMI, 8, &fit, tb).shared_bytes() <= sm120, "m {m} tb {tb}");
+                assert!(ExpertRowsSpec::down(&KIMI, 8, &fit, tb).shared_bytes() <= sm120, "m {m} tb {tb}");
+            }
+        }
+        assert!(capped > 0, "4-token passes of a 7168-wide input need 126 KiB: some shape must be capped");
+    }
+
     #[test]
     fn kimi_specialisations_cover_every_tuned_shape() {
-        let specs = moe_kernel_specs(&KIMI, 8);
+        let specs = moe_kernel_specs(&KIMI, 8, 232_448);
         let rows: Vec<(Act, ExpertRowsSpec)> = specs
             .iter()
             .filter_map(|s| match s {
