@@ -83,7 +83,7 @@ fn check_case(
     let x_dev = client.create_from_slice(bf16::as_bytes(&x));
     let r_dev = GpuRouting::upload(client, &routing, &weights);
     let out = client.empty(m * s.hidden * 4);
-    moe_forward_with::<_, half::bf16>(client, gpu, &x_dev, &r_dev, &out, cfg, Stages::All);
+    moe_forward_with::<_, bf16>(client, gpu, &x_dev, &r_dev, &out, cfg, Stages::All);
     let bytes = client.read_one(out).map_err(|e| anyhow::anyhow!("read: {e:?}"))?;
     let got = f32::from_bytes(&bytes).to_vec();
     let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
@@ -240,7 +240,7 @@ fn run_bench(client: &ComputeClient<R>, kimi: &MoeExperts, gpu: &GpuExperts<R>, 
             routings.push(GpuRouting::upload(client, &r, &weights));
         }
         let fwd = |cfg: &MoeConfig, stages: Stages, j: usize| {
-            moe_forward_with::<_, half::bf16>(client, gpu, &x, &routings[j % 16], &out, cfg, stages)
+            moe_forward_with::<_, bf16>(client, gpu, &x, &routings[j % 16], &out, cfg, stages)
         };
         let mut best = (f64::INFINITY, MoeConfig::default());
         for cfg in sweep(m) {

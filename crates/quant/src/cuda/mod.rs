@@ -9,6 +9,7 @@
 //! - [`resources`]: ptxas resource reports and per-architecture block limits; [`offline`] (feature `cuda`): the
 //!   CUDA C++ of each specialisation for a target architecture, made without a GPU (`cargo xtask kernels`).
 
+pub mod dense;
 pub mod experts;
 pub mod reference;
 pub mod resources;

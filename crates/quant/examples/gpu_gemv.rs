@@ -1,0 +1,153 @@
+//! GPU check and benchmark of the dense BF16-weight GEMV (`eyrie_quant::cuda::dense`, issue 4) at Kimi-K2's
+//! dense Linear shapes; runs on a CUDA machine, built with `--features cuda`.
+//!
+//! ```text
+//! gpu_gemv [--json FILE]
+//! ```
+//!
+//! Check: random never-zero BF16 weights and f32 activations, the kernel's `[n, rows]` against the f64 CPU
+//! reference ([`gemv_reference`]) on up to 256 rows of each matrix, norm-wise `max |gpu - ref| / max |ref|` <=
+//! 1e-5 (f32 accumulation over at most 18432 terms in another order: a few 1e-7; a wrong weight, row or token
+//! shows as 1e-3 or more). Exit status 1 on a mismatch.
+//!
+//! Bench: microseconds per call (median of 9 runs of 20 back-to-back calls between device syncs; each call reads
+//! another copy of the weights, 256 MB of copies in all, so the 60 MB L2 does not hold them), GB/s of the bytes
+//! that must move (weights + activations + output) and their share of the copy bandwidth measured in the same run.
+
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
+use burn::cubecl::prelude::*;
+use eyrie_quant::cuda::SplitMix64;
+use eyrie_quant::cuda::copy_f32;
+use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16, gemv_reference};
+
+type R = CudaRuntime;
+
+const TOL: f64 = 1e-5;
+
+/// Kimi-K2's dense Linears as `(name, rows = out, k = in)`.
+const SHAPES: [(&str, usize, usize); 11] = [
+    ("q_a_proj", 1536, 7168),
+    ("kv_a_proj_with_mqa", 576, 7168),
+    ("q_b_proj", 12288, 1536),
+    ("kv_b_proj", 16384, 512),
+    ("o_proj", 7168, 8192),
+    ("router", 384, 7168),
+    ("shared gate/up", 2048, 7168),
+    ("shared down", 7168, 2048),
+    ("dense gate/up", 18432, 7168),
+    ("dense down", 7168, 18432),
+    ("lm_head", 163840, 7168),
+];
+
+const TOKENS: [usize; 5] = [1, 2, 4, 8, 16];
+
+fn sync(client: &ComputeClient<R>) -> Result<()> {
+    burn::cubecl::future::block_on(client.sync()).map_err(|e| anyhow::anyhow!("device sync: {e:?}"))
+}
+
+/// Random BF16 bits, magnitude in `[1/16, 1) / sqrt(k)`, random sign (never zero).
+fn weights(rng: &mut SplitMix64, rows: usize, k: usize) -> Vec<u16> {
+    let scale = 1.0 / (k as f32).sqrt();
+    (0..rows * k)
+        .map(|_| {
+            let mag = (0.0625 + 0.9375 * rng.next_f32()) * scale;
+            let v = if rng.next_u64() & 1 == 0 { mag } else { -mag };
+            half::bf16::from_f32(v).to_bits()
+        })
+        .collect()
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let json = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
+    let client = R::client(&CudaDevice::default());
+    let mut rng = SplitMix64::new(7);
+
+    // Copy bandwidth of the same run (read + write bytes of 1 GiB).
+    let floats = 1 << 28;
+    let (a, b) = (client.empty(floats * 4), client.empty(floats * 4));
+    let mut best = f64::INFINITY;
+    for _ in 0..6 {
+        sync(&client)?;
+        let t = Instant::now();
+        copy_f32(&client, &a, &b, floats);
+        sync(&client)?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    drop((a, b));
+    let copy_bw = 8.0 * floats as f64 / best;
+    println!("copy bandwidth: {:.0} GB/s", copy_bw / 1e9);
+    println!(
+        "| matrix | rows x k | n | check (norm-wise) | us/call | GB/s | % of copy BW |\n|---|---|---|---|---|---|---|"
+    );
+
+    let mut failed = false;
+    let mut rows_json = Vec::new();
+    for (name, rows, k) in SHAPES {
+        let w = weights(&mut rng, rows, k);
+        let bytes_w = rows * k * 2;
+        let copies = (256 << 20).div_ceil(bytes_w).max(1);
+        let w_dev: Vec<_> = (0..copies).map(|_| client.create_from_slice(u16::as_bytes(&w))).collect();
+        // Rows checked against the reference: up to 256, spread over the matrix.
+        let step = rows.div_ceil(256);
+        let checked: Vec<usize> = (0..rows).step_by(step).collect();
+        let w_checked: Vec<u16> = checked.iter().flat_map(|&r| w[r * k..(r + 1) * k].iter().copied()).collect();
+        for n in TOKENS {
+            let x: Vec<f32> = rng.activations(n * k).iter().map(|v| v.to_f32()).collect();
+            let x_dev = client.create_from_slice(f32::as_bytes(&x));
+            let out = client.empty(n * rows * 4);
+            let cfg = GemvConfig::for_tokens(n);
+            gemv_bf16(&client, &x_dev, &w_dev[0], &out, n, rows, k, cfg).map_err(anyhow::Error::msg)?;
+            let got =
+                f32::from_bytes(&client.read_one(out.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?).to_vec();
+            let want = gemv_reference(&x, &w_checked, n, checked.len(), k);
+            let (mut diff, mut scale) = (0.0f64, 0.0f64);
+            for t in 0..n {
+                for (j, &r) in checked.iter().enumerate() {
+                    let (g, e) = (f64::from(got[t * rows + r]), f64::from(want[t * checked.len() + j]));
+                    diff = diff.max((g - e).abs());
+                    scale = scale.max(e.abs());
+                }
+            }
+            let err = diff / scale.max(f64::MIN_POSITIVE);
+            let ok = err <= TOL && got.iter().all(|v| v.is_finite());
+            failed |= !ok;
+
+            let mut times = Vec::new();
+            for _ in 0..9 {
+                sync(&client)?;
+                let t = Instant::now();
+                for i in 0..20 {
+                    gemv_bf16(&client, &x_dev, &w_dev[i % copies], &out, n, rows, k, cfg)
+                        .map_err(anyhow::Error::msg)?;
+                }
+                sync(&client)?;
+                times.push(t.elapsed().as_secs_f64() / 20.0);
+            }
+            times.sort_by(f64::total_cmp);
+            let secs = times[4];
+            let moved = (bytes_w + n * k * 4 + n * rows * 4) as f64;
+            let gbs = moved / secs / 1e9;
+            println!(
+                "| {name} | {rows} x {k} | {n} | {err:.1e} {} | {:.1} | {gbs:.0} | {:.0} |",
+                if ok { "ok" } else { "FAIL" },
+                secs * 1e6,
+                100.0 * moved / secs / copy_bw
+            );
+            rows_json.push(serde_json::json!({"matrix": name, "rows": rows, "k": k, "n": n, "error": err, "ok": ok,
+                "us": secs * 1e6, "gb_s": gbs, "pct_copy_bw": 100.0 * moved / secs / copy_bw}));
+        }
+    }
+    if let Some(path) = json {
+        let doc = serde_json::json!({"kernel": "eyrie_quant::cuda::dense::gemv_bf16", "tolerance": TOL,
+            "copy_bandwidth_gb_s": copy_bw / 1e9, "rows": rows_json});
+        std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")?;
+    }
+    if failed {
+        bail!("GEMV results differ from the CPU reference beyond tolerance");
+    }
+    Ok(())
+}

@@ -1,0 +1,212 @@
+//! Dense GEMV/skinny GEMM with BF16 weights and f32 activations, for the decode and verification widths of the
+//! model's dense Linears (attention projections, shared experts, dense MLPs, `lm_head`): `out[t, r] = sum_c
+//! x[t, c] * W[r, c]` with `W` `[rows, k]` BF16 as the checkpoint stores it (row-major, `[out, in]`), `x` `[n, k]`
+//! f32, f32 accumulation. Every BF16 weight is exactly an f32 (its bits shifted up by 16), so the result is the
+//! f32 product with the checkpoint's weights, at 2 bytes a weight read instead of 4.
+//!
+//! Work split: grid `(row tiles, token tiles)`; each warp owns `rows_at_once` rows; lane `l` streams the 16-byte
+//! vectors (8 weights) `l, l + 32, ...` of each of its rows (coalesced, `rows_at_once` loads in flight) and
+//! multiplies them with the matching 8 activations of up to `tb` tokens read from global memory (the same few KB
+//! for every warp, served by L1/L2); a warp sum finishes each dot product.
+//!
+//! The CPU reference is [`gemv_reference`] (f64 accumulation), always built and tested in CI.
+
+/// `x` `[n, k]` times `W^T` for `W` `[rows, k]` BF16 (as `u16` bits, row-major): `[n, rows]`, f64 accumulation.
+pub fn gemv_reference(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize) -> Vec<f32> {
+    assert_eq!(x.len(), n * k, "x is [n, k]");
+    assert_eq!(w_bits.len(), rows * k, "W is [rows, k]");
+    let mut out = vec![0.0f32; n * rows];
+    for t in 0..n {
+        for r in 0..rows {
+            let mut acc = 0.0f64;
+            for c in 0..k {
+                acc += f64::from(x[t * k + c]) * f64::from(f32::from_bits(u32::from(w_bits[r * k + c]) << 16));
+            }
+            out[t * rows + r] = acc as f32;
+        }
+    }
+    out
+}
+
+#[cfg(feature = "cuda")]
+pub use gpu::{GemvConfig, gemv_bf16};
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use burn::cubecl;
+    use cubecl::prelude::*;
+    use cubecl::server::Handle;
+
+    /// Launch shape of [`gemv_bf16`] (kernel specialisations).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct GemvConfig {
+        /// Warps per block.
+        pub warps: usize,
+        /// Rows each warp computes together (loads in flight per lane).
+        pub rows_at_once: usize,
+        /// Tokens per pass (1, 2, 4 or 8); more tokens take several passes over the weights.
+        pub tb: usize,
+    }
+
+    impl GemvConfig {
+        /// The launch shape for `n` tokens.
+        pub fn for_tokens(n: usize) -> Self {
+            let tb = match n {
+                0 | 1 => 1,
+                2 => 2,
+                3 | 4 => 4,
+                _ => 8,
+            };
+            Self { warps: 8, rows_at_once: if tb >= 8 { 2 } else { 4 }, tb }
+        }
+    }
+
+    /// One warp per `rows_at_once` rows, `tb` tokens per pass (module docs of `eyrie_quant::cuda::dense`).
+    #[cube(launch_unchecked, address_type = "dynamic")]
+    #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
+    pub fn gemv_bf16_kernel<N: Size>(
+        x: &Array<Vector<f32, N>>,
+        w: &Array<Vector<u32, N>>,
+        out: &mut Array<f32>,
+        n: u32,
+        rows: u32,
+        #[comptime] k: usize,
+        #[comptime] rows_at_once: usize,
+        #[comptime] tb: usize,
+        #[comptime] warps: usize,
+    ) {
+        let lane = UNIT_POS_X as usize;
+        let warp = UNIT_POS_Y as usize;
+        let n = n as usize;
+        let rows = rows as usize;
+        // 16-byte weight vectors (8 weights) per row; 4-float activation vectors per token row.
+        let kv = comptime!(k / 8);
+        let k4 = comptime!(k / 4);
+        let row0 = (CUBE_POS_X as usize * warps + warp) * rows_at_once;
+        let t0 = CUBE_POS_Y as usize * tb;
+
+        let mut acc = Array::<f32>::new(comptime!(rows_at_once * tb));
+        #[unroll]
+        for a in 0..comptime!(rows_at_once * tb) {
+            acc[a] = f32::new(0.0);
+        }
+        let mut wv = Array::<Vector<u32, N>>::new(rows_at_once);
+        for i in 0..comptime!(kv.div_ceil(32)) {
+            let v = lane + 32 * i;
+            if v < kv {
+                // All of this lane's weight loads first, so they are in flight together. Rows past the end re-read
+                // the last row; their sums are never written.
+                #[unroll]
+                for q in 0..rows_at_once {
+                    let mut row = row0 + q;
+                    if row >= rows {
+                        row = rows - 1;
+                    }
+                    wv[q] = w[row * kv + v];
+                }
+                #[unroll]
+                for t in 0..tb {
+                    let mut tok = t0 + t;
+                    if tok >= n {
+                        tok = n - 1;
+                    }
+                    let x0 = x[tok * k4 + 2 * v];
+                    let x1 = x[tok * k4 + 2 * v + 1];
+                    #[unroll]
+                    for q in 0..rows_at_once {
+                        let a = wv[q];
+                        let mut s = f32::reinterpret(a[0] << 16u32) * x0[0];
+                        s += f32::reinterpret((a[0] >> 16u32) << 16u32) * x0[1];
+                        s += f32::reinterpret(a[1] << 16u32) * x0[2];
+                        s += f32::reinterpret((a[1] >> 16u32) << 16u32) * x0[3];
+                        s += f32::reinterpret(a[2] << 16u32) * x1[0];
+                        s += f32::reinterpret((a[2] >> 16u32) << 16u32) * x1[1];
+                        s += f32::reinterpret(a[3] << 16u32) * x1[2];
+                        s += f32::reinterpret((a[3] >> 16u32) << 16u32) * x1[3];
+                        acc[q * tb + t] += s;
+                    }
+                }
+            }
+        }
+        #[unroll]
+        for q in 0..rows_at_once {
+            #[unroll]
+            for t in 0..tb {
+                let s = plane_sum(acc[q * tb + t]);
+                let row = row0 + q;
+                let tok = t0 + t;
+                if lane == 0 && row < rows && tok < n {
+                    out[tok * rows + row] = s;
+                }
+            }
+        }
+    }
+
+    /// `out` `[n, rows]` f32 = `x` `[n, k]` f32 times `W^T`, `W` `[rows, k]` BF16 (each buffer contiguous,
+    /// row-major). `k` must be a multiple of 8 (one 16-byte vector is 8 weights); `n` and `rows` at least 1.
+    ///
+    /// # Errors
+    /// A message naming the parameter when a size does not fit (nothing is launched then).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_bf16<R: Runtime>(
+        client: &ComputeClient<R>,
+        x: &Handle,
+        w: &Handle,
+        out: &Handle,
+        n: usize,
+        rows: usize,
+        k: usize,
+        cfg: GemvConfig,
+    ) -> Result<(), String> {
+        if n == 0 || rows == 0 || k == 0 || !k.is_multiple_of(8) {
+            return Err(format!("gemv_bf16: n {n}, rows {rows}, k {k}: need all >= 1 and k a multiple of 8"));
+        }
+        if !matches!(cfg.tb, 1 | 2 | 4 | 8) || cfg.warps == 0 || cfg.rows_at_once == 0 {
+            return Err(format!("gemv_bf16: launch shape {cfg:?}: tb 1, 2, 4 or 8, warps and rows_at_once >= 1"));
+        }
+        let sizes = [("x", x, n * k * 4), ("w", w, rows * k * 2), ("out", out, n * rows * 4)];
+        for (name, h, bytes) in sizes {
+            if (h.size_in_used() as usize) < bytes {
+                return Err(format!("gemv_bf16: {name} holds {} bytes, needs {bytes}", h.size_in_used()));
+            }
+        }
+        let per_block = cfg.warps * cfg.rows_at_once;
+        let count = CubeCount::Static(rows.div_ceil(per_block) as u32, n.div_ceil(cfg.tb) as u32, 1);
+        let address = AddressType::from_len((rows * k / 2).max(n * k).max(n * rows));
+        // SAFETY: sizes checked above; the kernel clamps row and token indices into range and writes only
+        // `out[tok * rows + row]` for `tok < n`, `row < rows`.
+        unsafe {
+            gemv_bf16_kernel::launch_unchecked::<R>(
+                client,
+                count,
+                CubeDim::new_2d(32, cfg.warps as u32),
+                address,
+                4,
+                ArrayArg::from_raw_parts(x.clone(), n * k / 4),
+                ArrayArg::from_raw_parts(w.clone(), rows * k / 8),
+                ArrayArg::from_raw_parts(out.clone(), n * rows),
+                n as u32,
+                rows as u32,
+                k,
+                cfg.rows_at_once,
+                cfg.tb,
+                cfg.warps,
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_multiplies_by_the_bf16_weights() {
+        // W = [[1, 2], [-0.5, 3]] as BF16 bits; x = [[1, 1], [2, -1]].
+        let bits = |v: f32| (v.to_bits() >> 16) as u16;
+        let w = [bits(1.0), bits(2.0), bits(-0.5), bits(3.0)];
+        let out = gemv_reference(&[1.0, 1.0, 2.0, -1.0], &w, 2, 2, 2);
+        assert_eq!(out, vec![3.0, 2.5, 0.0, -4.0]);
+    }
+}
