@@ -8,12 +8,12 @@
 //! matmul autotuning happen there); the median step is reported, with the mean and the slowest. Printed and written as
 //! JSON (rewritten after every split; progress lines carry the seconds since start): ms per step, the share of rank 0's
 //! step inside collectives, and the roofline: the bytes rank 0 must read per step over the copy bandwidth measured in
-//! the same run on GPU 0. Those bytes: its f32 weights (attention with its heads, its dense-MLP and shared-expert
-//! slices, the router, `lm_head`), the expected number of distinct routed experts it holds, `E (1 - (1 - k/E)^batch) /
-//! ep` for uniform routing, at INT4's 0.5625 bytes a parameter (packed words + BF16 group scales, as the fused layout
-//! holds them on the GPU), and the latent cache. On CUDA decode steps run the routed experts through the fused INT4
-//! kernel, which reads exactly those bytes; attention, the dense and shared MLPs and `lm_head` are f32 matmuls today
-//! (issue 4).
+//! the same run on GPU 0. Those bytes: its dense weights (attention with its heads, its dense-MLP and shared-expert
+//! slices, the router, `lm_head`; BF16 on CUDA, f32 on the CPU), the expected number of distinct routed experts it
+//! holds, `E (1 - (1 - k/E)^batch) / ep` for uniform routing, at INT4's 0.5625 bytes a parameter (packed words + BF16
+//! group scales, as the fused layout holds them on the GPU), and the latent cache. On CUDA decode steps run the routed
+//! experts through the fused INT4 kernel, which reads exactly those bytes, and the dense Linears through the
+//! BF16-weight GEMV kernel (f32 activations); attention over the cache is burn ops (issue 4).
 //!
 //! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8] [--warmup 3]
 //!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR]
@@ -62,7 +62,7 @@ fn copy_bandwidth<B: Backend>(device: &B::Device, n: usize) -> Result<f64, Error
 }
 
 /// Bytes rank 0 reads in one decode step (see the module docs).
-fn bytes_per_step(c: &ModelConfig, spec: ShardSpec, batch: usize, context: usize) -> f64 {
+fn bytes_per_step(c: &ModelConfig, spec: ShardSpec, batch: usize, context: usize, dense_bytes: f64) -> f64 {
     let (d, h) = (c.hidden_size as f64, c.num_heads as f64);
     let (tp, ep) = (spec.tp as f64, spec.ep as f64);
     let q_a = d * c.q_lora_rank.unwrap_or(0) as f64;
@@ -73,24 +73,24 @@ fn bytes_per_step(c: &ModelConfig, spec: ShardSpec, batch: usize, context: usize
     let attn = q_a + q_b + kv_a + kv_b + o;
     let (e, k) = (c.n_routed_experts as f64, c.num_experts_per_tok as f64);
     let distinct = e * (1.0 - (1.0 - k / e).powi(batch as i32));
-    let mut params = 0.0;
+    // Dense parameters (read at `dense_bytes` each) and routed-expert bytes.
+    let (mut dense, mut experts) = (0.0, 0.0);
     for layer in 0..c.num_hidden_layers {
-        params += attn;
-        params += match c.layer_kind(layer) {
-            eyrie_model::config::LayerKind::Dense => 3.0 * d * c.intermediate_size as f64 / tp,
+        dense += attn;
+        match c.layer_kind(layer) {
+            eyrie_model::config::LayerKind::Dense => dense += 3.0 * d * c.intermediate_size as f64 / tp,
             eyrie_model::config::LayerKind::Moe => {
-                d * e
-                    + 3.0 * d * c.shared_intermediate_size() as f64 / tp
-                    + distinct / ep * 3.0 * d * c.moe_intermediate_size as f64 * INT4_BYTES / 4.0
+                dense += d * e + 3.0 * d * c.shared_intermediate_size() as f64 / tp;
+                experts += distinct / ep * 3.0 * d * c.moe_intermediate_size as f64 * INT4_BYTES;
             }
-        };
+        }
     }
     let world = spec.tp.max(spec.ep);
     let vocab_split = spec.tp > 1 && spec.tp == world;
-    params += c.vocab_size as f64 * d / if vocab_split { tp } else { 1.0 };
-    let cache = (batch * context * c.kv_a_dim() * c.num_hidden_layers) as f64;
-    // `params` counts f32 parameters (experts scaled to their INT4 bytes).
-    4.0 * (params + cache)
+    dense += c.vocab_size as f64 * d / if vocab_split { tp } else { 1.0 };
+    // The f32 latent cache.
+    let cache = 4.0 * (batch * context * c.kv_a_dim() * c.num_hidden_layers) as f64;
+    dense * dense_bytes + experts + cache
 }
 
 struct Row {
@@ -173,7 +173,9 @@ fn run_split<B: ParallelBackend>(
             _ => None,
         };
         let spec = ShardSpec { rank: 0, tp, ep };
-        let bytes = bytes_per_step(config, spec, batch, context + 2 + steps / 2);
+        // Dense weights: BF16 on CUDA (the synthetic ones are BF16 values, as a checkpoint's), f32 on the CPU.
+        let dense_bytes = if eyrie_model::fused_moe::is_cuda::<B>() { 2.0 } else { 4.0 };
+        let bytes = bytes_per_step(config, spec, batch, context + warmup + steps / 2, dense_bytes);
         let row = Row {
             tp,
             ep,
@@ -265,7 +267,7 @@ fn write_json(
                 "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s})
         })
         .collect();
-    let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic weights (INT4 routed experts, f32 others)", "layers": layers,
+    let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic weights (INT4 routed experts; dense weights BF16 values, held BF16 on CUDA)", "layers": layers,
         "steps": steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows, "failures": failures});
     std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
     Ok(())
@@ -320,7 +322,7 @@ fn main() -> Result<(), Error> {
     };
     let (rows, failures) = outcomes;
     println!(
-        "\n{} layers, hidden {}, {} routed experts (INT4), f32 others, context {context}, {warmup} warm-up and {steps} timed steps (median shown); copy bandwidth {:.0} GB/s",
+        "\n{} layers, hidden {}, {} routed experts (INT4), dense weights BF16 on CUDA, context {context}, {warmup} warm-up and {steps} timed steps (median shown); copy bandwidth {:.0} GB/s",
         config.num_hidden_layers,
         config.hidden_size,
         config.n_routed_experts,

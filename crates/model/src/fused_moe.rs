@@ -70,13 +70,34 @@ impl<B: Backend> FusedExperts<B> {
             w2.push(down.packed);
             s2.push(down.scales);
         }
-        Some(Self {
-            shape,
-            w13: Tensor::cat(w13, 0),
-            s13: Tensor::cat(s13, 0).cast(FloatDType::BF16),
-            w2: Tensor::cat(w2, 0),
-            s2: Tensor::cat(s2, 0).cast(FloatDType::BF16),
-        })
+        Some(
+            Self {
+                shape,
+                w13: Tensor::cat(w13, 0),
+                s13: Tensor::cat(s13, 0).cast(FloatDType::BF16),
+                w2: Tensor::cat(w2, 0),
+                s2: Tensor::cat(s2, 0).cast(FloatDType::BF16),
+            }
+            .contiguous(),
+        )
+    }
+
+    /// The buffers laid out densely once, here, so that no step copies them (the kernel reads dense buffers; a
+    /// step found a layer's 1.4 GB `w2` not dense and copied it every time: 0.68 ms a layer on an H200).
+    fn contiguous(self) -> Self {
+        #[cfg(feature = "cuda")]
+        {
+            use crate::cuda_ops::{contiguous, contiguous_int};
+            Self {
+                shape: self.shape,
+                w13: contiguous_int(self.w13),
+                s13: contiguous(self.s13),
+                w2: contiguous_int(self.w2),
+                s2: contiguous(self.s2),
+            }
+        }
+        #[cfg(not(feature = "cuda"))]
+        self
     }
 
     /// Experts `range` only (a rank's share under expert parallelism).
@@ -90,6 +111,7 @@ impl<B: Backend> FusedExperts<B> {
             w2: self.w2.clone().narrow(0, range.start * s.hidden, n * s.hidden),
             s2: self.s2.clone().narrow(0, range.start * s.hidden, n * s.hidden),
         }
+        .contiguous()
     }
 
     /// Expert `e` as the [`Expert`] it was made from (the same packed words and scales, so the same outputs).
@@ -164,7 +186,7 @@ pub(crate) fn run_each<B: Backend, X: std::borrow::Borrow<Expert<B>>>(
 pub fn is_cuda<B: Backend>() -> bool {
     #[cfg(feature = "cuda")]
     {
-        std::any::TypeId::of::<B::FloatTensorPrimitive>() == std::any::TypeId::of::<kernel::Cube>()
+        crate::cuda_ops::is_cuda::<B>()
     }
     #[cfg(not(feature = "cuda"))]
     false
@@ -174,32 +196,12 @@ pub fn is_cuda<B: Backend>() -> bool {
 mod kernel {
     //! The kernel path: burn's CUDA tensors are CubeCL buffers; their handles go to `eyrie_quant::cuda`.
 
-    use std::any::Any;
-
     use burn::tensor::backend::Backend;
-    use burn::tensor::{DType, Int, Shape, Tensor, TensorData, TensorPrimitive};
-    use burn_cubecl::kernel::into_contiguous;
+    use burn::tensor::{DType, Int, Shape, Tensor, TensorData};
     use eyrie_quant::cuda::{GpuExperts, GpuRouting, Routing, moe_forward};
 
     use super::FusedExperts;
-
-    pub(super) type Cube = burn_cubecl::tensor::CubeTensor<burn::cubecl::cuda::CudaRuntime>;
-
-    fn float<B: Backend>(t: Tensor<B, 2>) -> Option<Cube> {
-        let boxed: Box<dyn Any> = Box::new(t.into_primitive().tensor());
-        boxed.downcast::<Cube>().ok().map(|c| into_contiguous(*c))
-    }
-
-    fn int<B: Backend>(t: Tensor<B, 2, Int>) -> Option<Cube> {
-        let boxed: Box<dyn Any> = Box::new(t.into_primitive());
-        boxed.downcast::<Cube>().ok().map(|c| into_contiguous(*c))
-    }
-
-    fn back<B: Backend>(c: Cube) -> Option<Tensor<B, 2>> {
-        let boxed: Box<dyn Any> = Box::new(c);
-        let prim = boxed.downcast::<B::FloatTensorPrimitive>().ok()?;
-        Some(Tensor::from_primitive(TensorPrimitive::Float(*prim)))
-    }
+    use crate::cuda_ops::{Cube, back, float, int};
 
     /// `None` when this is not the CUDA backend or the activations are not f32 (the caller then takes the
     /// generic path).
@@ -244,7 +246,7 @@ mod kernel {
         let out = client.empty(m * d * 4);
         moe_forward::<_, f32>(&client, &experts, &xc.handle, &groute, &out);
         let out = Cube::new_contiguous(client, xc.device.clone(), Shape::new([m, d]), out, DType::F32);
-        let out = back::<B>(out)?;
+        let out = back::<B, 2>(out)?;
         Some(match rows {
             None => out,
             Some(idx) => {

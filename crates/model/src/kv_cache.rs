@@ -239,7 +239,7 @@ impl<B: Backend> Mla<B> {
         }
 
         // kv_b_proj.weight [H*(nope+vd), r] -> [H, nope+vd, r]
-        let w_kv_b = self.kv_b_proj.weight_t.clone().transpose().reshape([h, nope + vd, r]);
+        let w_kv_b = self.kv_b_proj.weight.clone().cast(burn::tensor::FloatDType::F32).reshape([h, nope + vd, r]);
         let w_uk = w_kv_b.clone().narrow(1, 0, nope); // [H, nope, r]
         let w_uv = w_kv_b.narrow(1, nope, vd); // [H, vd, r]
 

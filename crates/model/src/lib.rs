@@ -9,6 +9,8 @@
 pub mod block_pool;
 pub mod chat;
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda_ops;
 pub mod deepseek_v3;
 pub mod device;
 pub mod error;

@@ -1,13 +1,15 @@
 //! A bias-free Linear layer, `y = x W^T`, whose weight comes from a checkpoint's [`LinearWeight`]: dense (BF16,
 //! F16, F32), compressed-tensors INT4, or FP8 with block scales.
 //!
-//! For now every kind becomes a dense f32 `W^T` on the device at load time: INT4 is uploaded packed and dequantized
-//! on the device ([`Int4Tensors::dequantize`], bit-exact with compressed-tensors), FP8 is dequantized on the host.
-//! Fused INT4 matmul kernels that keep the packed layout in memory come with issue 4; they will be one more variant
-//! of [`Linear`]'s storage, not a twin of the model.
+//! The weight `W` `[out, in]` is held in f32, except on CUDA where a BF16 weight stays BF16 (every BF16 value is
+//! an f32, so nothing changes but the bytes: half of them): decode widths (up to
+//! [`crate::cuda_ops::GEMV_MAX_TOKENS`] rows) run eyrie-quant's GEMV kernel over the BF16 rows with f32
+//! activations and accumulation, wider inputs cast it to f32 for burn's matmul. INT4 is uploaded packed and
+//! dequantized on the device ([`Int4Tensors::dequantize`], bit-exact with compressed-tensors), FP8 is
+//! dequantized on the host. Routed experts keep INT4 packed ([`StoredLinear`], and on CUDA `crate::fused_moe`).
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::tensor::{DType, FloatDType, Tensor, TensorData};
 use eyrie_quant::LinearWeight;
 use eyrie_quant::burn::{Int4Tensors, dense_tensor};
 
@@ -16,14 +18,18 @@ use crate::error::Result;
 /// A Linear layer `[.., in] -> [.., out]` without bias.
 #[derive(Debug, Clone)]
 pub struct Linear<B: Backend> {
-    /// The transposed weight `W^T`, `[in, out]`, in f32.
-    pub weight_t: Tensor<B, 2>,
+    /// `W` `[out, in]`: f32, or BF16 on CUDA (see the module docs); contiguous on CUDA.
+    pub weight: Tensor<B, 2>,
 }
 
 impl<B: Backend> Linear<B> {
-    /// Wraps a weight `W` of shape `[out, in]`.
+    /// Wraps a weight `W` of shape `[out, in]`: kept BF16 on CUDA when it is BF16, f32 otherwise.
     pub fn from_weight(weight: Tensor<B, 2>) -> Self {
-        Self { weight_t: weight.cast(FloatDType::F32).transpose() }
+        let keep_bf16 = weight.dtype() == DType::BF16 && crate::fused_moe::is_cuda::<B>();
+        let weight = if keep_bf16 { weight } else { weight.cast(FloatDType::F32) };
+        #[cfg(feature = "cuda")]
+        let weight = crate::cuda_ops::contiguous(weight);
+        Self { weight }
     }
 
     /// Uploads a checkpoint weight to `device` (see the module docs for what each kind becomes).
@@ -39,14 +45,24 @@ impl<B: Backend> Linear<B> {
         Ok(Self::from_weight(w))
     }
 
+    /// `W^T` `[in, out]` in f32.
+    pub fn weight_t(&self) -> Tensor<B, 2> {
+        self.weight.clone().cast(FloatDType::F32).transpose()
+    }
+
     /// `[in]` and `[out]`.
     pub fn dims(&self) -> [usize; 2] {
-        self.weight_t.dims()
+        let [out, inp] = self.weight.dims();
+        [inp, out]
     }
 
     /// `[n, in] -> [n, out]`.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        x.matmul(self.weight_t.clone())
+        #[cfg(feature = "cuda")]
+        if let Some(y) = crate::cuda_ops::gemv(&x, &self.weight) {
+            return y;
+        }
+        x.matmul(self.weight_t())
     }
 }
 
@@ -123,7 +139,7 @@ mod tests {
             let want = weight.dequantize_f32().unwrap();
             let linear = Linear::<Flex>::load(&weight, &device).unwrap();
             assert_eq!(linear.dims(), [inp, out]);
-            let got = linear.weight_t.clone().transpose().into_data().to_vec::<f32>().unwrap();
+            let got = linear.weight.clone().into_data().to_vec::<f32>().unwrap();
             assert_eq!(got, want, "{prefix}");
             let xt = Tensor::<Flex, 2>::from_data(TensorData::new(x.clone(), [3, inp]), &device);
             let y = linear.forward(xt.clone()).into_data().to_vec::<f32>().unwrap();

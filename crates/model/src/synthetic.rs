@@ -11,7 +11,7 @@
 use std::ops::Range;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, IntDType, Tensor};
+use burn::tensor::{FloatDType, Int, IntDType, Tensor};
 use eyrie_quant::Dtype;
 use eyrie_quant::burn::Int4Tensors;
 
@@ -62,7 +62,9 @@ impl WeightSource for SyntheticWeights {
     fn linear<B: Backend>(&mut self, canonical: &str, shape: [usize; 2], device: &B::Device) -> Result<Linear<B>> {
         let [out, inp] = shape;
         // Made as W^T `[in, out]` directly, the layout Linear keeps.
-        Ok(Linear { weight_t: matrix::<B>(canonical, inp, out, 1.0 / (inp as f32).sqrt(), device) })
+        // BF16 values, as a checkpoint's dense weights are.
+        let w_t = matrix::<B>(canonical, inp, out, 1.0 / (inp as f32).sqrt(), device);
+        Ok(Linear::from_weight(w_t.transpose().cast(FloatDType::BF16)))
     }
 
     /// Routed experts as INT4 (group 32, BF16 scales, symmetric), as Kimi-K2's checkpoints store them: packed

@@ -201,7 +201,7 @@ impl<B: Backend> Mla<B> {
             cache.write(layer, span.seq, span.start, latents.clone().narrow(0, span.row, span.len));
         }
         // kv_b_proj.weight [H*(nope+vd), r] -> [H, nope+vd, r]
-        let w_kv_b = self.kv_b_proj.weight_t.clone().transpose().reshape([h, nope + vd, r]);
+        let w_kv_b = self.kv_b_proj.weight.clone().cast(burn::tensor::FloatDType::F32).reshape([h, nope + vd, r]);
         let w_uk = w_kv_b.clone().narrow(1, 0, nope);
         let w_uv = w_kv_b.narrow(1, nope, vd);
         // [H, N, r]

@@ -118,13 +118,13 @@ impl ShardSpec {
 
 /// Rows `start..start + len` of `W` (`[out, in]`): the output slice.
 pub(crate) fn rows<B: Backend>(l: &Linear<B>, start: usize, len: usize) -> Linear<B> {
-    // weight_t [in, out]
-    Linear { weight_t: l.weight_t.clone().narrow(1, start, len) }
+    // weight [out, in]
+    Linear::from_weight(l.weight.clone().narrow(0, start, len))
 }
 
 /// Columns `start..start + len` of `W` (`[out, in]`): the input slice.
 fn cols<B: Backend>(l: &Linear<B>, start: usize, len: usize) -> Linear<B> {
-    Linear { weight_t: l.weight_t.clone().narrow(0, start, len) }
+    Linear::from_weight(l.weight.clone().narrow(1, start, len))
 }
 
 /// Tensor-parallel shard `part` of `ways` of a SwiGLU MLP: `gate_proj` / `up_proj` rows, `down_proj` columns.
