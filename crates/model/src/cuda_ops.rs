@@ -5,13 +5,15 @@
 
 use std::any::Any;
 
+use burn::cubecl;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
+use cubecl::prelude::*;
 use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16};
 
 /// burn's CUDA tensor primitive (float and int alike).
-pub(crate) type Cube = burn_cubecl::tensor::CubeTensor<burn::cubecl::cuda::CudaRuntime>;
+pub(crate) type Cube = burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>;
 
 /// Whether `B` is burn's CUDA backend.
 pub(crate) fn is_cuda<B: Backend>() -> bool {
@@ -79,6 +81,96 @@ pub(crate) fn gemv<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Ten
     let wc = float(w.clone())?;
     let client = xc.client.clone();
     let out = client.empty(n * rows * 4);
-    gemv_bf16(&client, &xc.handle, &wc.handle, &out, n, rows, k, GemvConfig::for_tokens(n)).ok()?;
+    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
+    gemv_bf16(&client, &xc.handle, &wc.handle, &out, n, rows, k, GemvConfig::for_shape(n, rows, 2 * sms)).ok()?;
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
+}
+
+/// RMSNorm of each row in one launch (the generic path is seven burn ops: square, mean, add, sqrt, reciprocal and
+/// two products). One block of 8 warps per row; f32 throughout; the row's sum of squares in a different order
+/// than burn's mean, so results differ from the generic path by f32 rounding only.
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::manual_div_ceil)]
+pub fn rms_norm_kernel<N: Size>(
+    x: &Array<Vector<f32, N>>,
+    w: &Array<Vector<f32, N>>,
+    out: &mut Array<Vector<f32, N>>,
+    eps: f32,
+    #[comptime] width: usize,
+    #[comptime] warps: usize,
+) {
+    let row = CUBE_POS_X as usize;
+    let tid = UNIT_POS as usize;
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let wv = comptime!(width / 4);
+    let threads = comptime!(32 * warps);
+    let mut ss = f32::new(0.0);
+    for i in 0..comptime!((width / 4).div_ceil(32 * warps)) {
+        let v = tid + i * threads;
+        if v < wv {
+            let a = x[row * wv + v];
+            ss += a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
+        }
+    }
+    let s = plane_sum(ss);
+    let mut part = SharedMemory::<f32>::new(warps);
+    if lane == 0 {
+        part[warp] = s;
+    }
+    sync_cube();
+    let mut total = f32::new(0.0);
+    #[unroll]
+    for q in 0..warps {
+        total += part[q];
+    }
+    let inv = f32::new(1.0) / (total / f32::new(comptime!(width as f32)) + eps).sqrt();
+    for i in 0..comptime!((width / 4).div_ceil(32 * warps)) {
+        let v = tid + i * threads;
+        if v < wv {
+            let a = x[row * wv + v];
+            let g = w[v];
+            let mut o = Vector::<f32, N>::empty();
+            o[0] = a[0] * inv * g[0];
+            o[1] = a[1] * inv * g[1];
+            o[2] = a[2] * inv * g[2];
+            o[3] = a[3] * inv * g[3];
+            out[row * wv + v] = o;
+        }
+    }
+}
+
+/// RMSNorm of `x` `[n, width]` (f32) with weight `[width]` (f32) in one launch, or `None` (not CUDA, other dtypes,
+/// `width` not a multiple of 4, no rows).
+pub(crate) fn rms_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>, eps: f64) -> Option<Tensor<B, 2>> {
+    let [n, width] = x.dims();
+    if !is_cuda::<B>() || n == 0 || width == 0 || !width.is_multiple_of(4) || weight.dims()[0] != width {
+        return None;
+    }
+    if x.dtype() != DType::F32 || weight.dtype() != DType::F32 {
+        return None;
+    }
+    let xc = float(x.clone())?;
+    let wc = float(weight.clone())?;
+    let client = xc.client.clone();
+    let out = client.empty(n * width * 4);
+    let warps = 8usize;
+    // SAFETY: `x` and `out` hold `n * width` f32 and `weight` `width` (checked above, contiguous); the kernel reads
+    // and writes only row `CUBE_POS_X < n`, vectors `< width / 4`.
+    unsafe {
+        rms_norm_kernel::launch_unchecked::<cubecl::cuda::CudaRuntime>(
+            &client,
+            CubeCount::Static(n as u32, 1, 1),
+            CubeDim::new_2d(32, warps as u32),
+            AddressType::from_len(n * width),
+            4,
+            ArrayArg::from_raw_parts(xc.handle.clone(), n * width / 4),
+            ArrayArg::from_raw_parts(wc.handle.clone(), width / 4),
+            ArrayArg::from_raw_parts(out.clone(), n * width / 4),
+            eps as f32,
+            width,
+            warps,
+        );
+    }
+    back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, width]), out, DType::F32))
 }

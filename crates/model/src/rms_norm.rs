@@ -24,6 +24,16 @@ impl<B: Backend> RmsNorm<B> {
 
     /// Normalizes the last dimension: `[.., width] -> [.., width]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        #[cfg(feature = "cuda")]
+        {
+            // On CUDA one kernel does the whole norm (`crate::cuda_ops::rms_norm`).
+            let dims = x.dims();
+            let width = dims[D - 1];
+            let rows = dims.iter().product::<usize>() / width.max(1);
+            if let Some(y) = crate::cuda_ops::rms_norm(&x.clone().reshape([rows, width]), &self.weight, self.eps) {
+                return y.reshape(dims);
+            }
+        }
         // [.., 1]
         let variance = x.clone().powi_scalar(2).mean_dim(D - 1);
         let normed = x * variance.add_scalar(self.eps).sqrt().recip();
