@@ -59,6 +59,21 @@ mod gpu {
             };
             Self { warps: 8, rows_at_once: if tb >= 8 { 2 } else { 4 }, tb }
         }
+
+        /// [`Self::for_tokens`] with fewer rows per block for short matrices, so that at least `blocks` blocks
+        /// run (twice the SMs of the device: 264 on an H200): a 1536-row matrix gets 384 blocks of 4 rows instead
+        /// of 48 blocks of 32.
+        pub fn for_shape(n: usize, rows: usize, blocks: usize) -> Self {
+            let mut c = Self::for_tokens(n);
+            let count = |c: &Self| rows.div_ceil(c.warps * c.rows_at_once);
+            while c.rows_at_once > 1 && count(&c) < blocks {
+                c.rows_at_once /= 2;
+            }
+            while c.warps > 2 && count(&c) < blocks {
+                c.warps /= 2;
+            }
+            c
+        }
     }
 
     /// One warp per `rows_at_once` rows, `tb` tokens per pass (module docs of `eyrie_quant::cuda::dense`).
