@@ -2,8 +2,9 @@
 //! with the `cuda` feature (CubeCL loads the CUDA driver and NVRTC at run time, so no CUDA is needed to build) and
 //! run on a machine with an NVIDIA GPU.
 //!
-//! - `cargo xtask gpu-test`: builds `.device-kern/gpu_kernels` (stripped) and runs `gpu_kernels check` when this
-//!   machine has a GPU; otherwise prints the command to run on the device machine (carrying `.device-kern`).
+//! - `cargo xtask gpu-test`: builds `.device-kern/{gpu_kernels, gpu_gemv, gpu_ops}` (stripped) and runs the three
+//!   GPU checks when this machine has a GPU; otherwise compresses them and prints the command to run on the device
+//!   machine (carrying `.device-kern`).
 //! - `cargo xtask bench kernels`: same build, then the benchmark and its torch peers in one run, writing
 //!   `bench/kernels.json` and `bench/kernels_peer.json` and printing the side-by-side table.
 
@@ -56,14 +57,42 @@ fn has_gpu() -> bool {
     Command::new("nvidia-smi").arg("-L").output().is_ok_and(|o| o.status.success())
 }
 
-/// `cargo xtask gpu-test`.
+/// The GPU checks of `cargo xtask gpu-test`: program and arguments, each exiting 1 on a mismatch.
+const CHECKS: [(&str, &str); 3] = [("gpu_kernels", "check"), ("gpu_gemv", ""), ("gpu_ops", "")];
+
+/// `cargo xtask gpu-test`: the fused INT4 MoE (`gpu_kernels check`), the BF16-weight GEMV (`gpu_gemv`) and the
+/// model's CUDA paths (`gpu_ops`: RMSNorm, BF16 Linear), each against its CPU reference.
 pub fn gpu_test(root: &Path) -> Result<()> {
     bundle(root)?;
-    if has_gpu() {
-        return run(Command::new(root.join(DIR).join("gpu_kernels")).arg("check"));
+    let dir = root.join(DIR);
+    for (package, features, example) in [("eyrie-quant", "cuda", "gpu_gemv"), ("eyrie-model", "cuda", "gpu_ops")] {
+        run(cargo()
+            .args(["build", "--release", "--locked", "--package", package, "--features", features, "--example"])
+            .arg(example))?;
+        let target = std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), Into::into);
+        let bin = dir.join(example);
+        std::fs::copy(target.join("release/examples").join(example), &bin)
+            .with_context(|| format!("copying {example}"))?;
+        run(Command::new("strip").arg(&bin))?;
     }
+    if has_gpu() {
+        for (program, arg) in CHECKS {
+            let mut cmd = Command::new(dir.join(program));
+            if !arg.is_empty() {
+                cmd.arg(arg);
+            }
+            run(&mut cmd)?;
+        }
+        return Ok(());
+    }
+    // Three stripped CUDA binaries exceed the 64 MiB a device call carries: compress them.
+    for (program, _) in CHECKS {
+        run(Command::new("gzip").args(["-1", "-f"]).arg(dir.join(program)))?;
+    }
+    let runs: Vec<String> = CHECKS.iter().map(|(p, a)| format!("./{DIR}/{p} {a}").trim_end().to_string()).collect();
     eprintln!(
-        "no GPU here: carry {DIR} to the GPU machine and run, from the repository root:\n  ./{DIR}/gpu_kernels check"
+        "no GPU here: carry {DIR} to the GPU machine and run, from the repository root:\n  (cd {DIR} && gunzip -f *.gz) && {}",
+        runs.join(" && ")
     );
     Ok(())
 }

@@ -83,7 +83,7 @@ mod gpu {
         x: &Array<Vector<f32, N>>,
         w: &Array<Vector<u32, N>>,
         out: &mut Array<f32>,
-        n: u32,
+        tokens: u32,
         rows: u32,
         #[comptime] k: usize,
         #[comptime] rows_at_once: usize,
@@ -92,7 +92,8 @@ mod gpu {
     ) {
         let lane = UNIT_POS_X as usize;
         let warp = UNIT_POS_Y as usize;
-        let n = n as usize;
+        // (`tokens`, not `n`: the launcher the macro writes has a `_n` of its own, for `N`.)
+        let n = tokens as usize;
         let rows = rows as usize;
         // 16-byte weight vectors (8 weights) per row; 4-float activation vectors per token row.
         let kv = comptime!(k / 8);
