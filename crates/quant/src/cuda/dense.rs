@@ -60,11 +60,15 @@ mod gpu {
             Self { warps: 8, rows_at_once: if tb >= 8 { 2 } else { 4 }, tb }
         }
 
-        /// [`Self::for_tokens`] with fewer rows per block for short matrices, so that at least `blocks` blocks
-        /// run (twice the SMs of the device: 264 on an H200): a 1536-row matrix gets 384 blocks of 4 rows instead
-        /// of 48 blocks of 32.
+        /// [`Self::for_tokens`] with fewer rows per block for short matrices at up to 4 tokens, so that at least
+        /// `blocks` blocks run (twice the SMs of the device: 264 on an H200): a 1536-row matrix gets 384 blocks of
+        /// 4 rows instead of 48 blocks of 32. Measured on the H200 (bench/REPORT.md, both shapes at every Kimi
+        /// matrix): faster at 1-4 tokens, slower at 8-16 tokens for short matrices, which keep `for_tokens`.
         pub fn for_shape(n: usize, rows: usize, blocks: usize) -> Self {
             let mut c = Self::for_tokens(n);
+            if n > 4 {
+                return c;
+            }
             let count = |c: &Self| rows.div_ceil(c.warps * c.rows_at_once);
             while c.rows_at_once > 1 && count(&c) < blocks {
                 c.rows_at_once /= 2;
@@ -216,6 +220,15 @@ mod gpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(feature = "cuda")]
+    #[test]
+    fn short_matrices_get_smaller_blocks_only_at_few_tokens() {
+        let few = GemvConfig::for_shape(1, 1536, 264);
+        assert!(1536usize.div_ceil(few.warps * few.rows_at_once) >= 264, "{few:?}");
+        assert_eq!(GemvConfig::for_shape(8, 1536, 264), GemvConfig::for_tokens(8));
+        assert_eq!(GemvConfig::for_shape(1, 163_840, 264), GemvConfig::for_tokens(1));
+    }
 
     #[test]
     fn reference_multiplies_by_the_bf16_weights() {
