@@ -174,3 +174,47 @@ pub(crate) fn rms_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>, eps:
     }
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, width]), out, DType::F32))
 }
+
+/// Absorbed MLA attention over layer `pool` `[slots, r + rot]` of the paged latent cache through eyrie-quant's
+/// attention kernel: `q_lat` `[H, N, r]` and `q_pe` `[H, N, rot]` of the step's `N` query rows, which read the
+/// cache as `rows` says -> `o_lat` `[H, N, r]`; or `None` (not CUDA, not f32, `r` not a multiple of 32 or `rot` of
+/// 4, or the kernel refused the sizes), and the caller runs its burn ops. No score matrix is materialized.
+pub(crate) fn mla_attention<B: Backend>(
+    q_lat: &Tensor<B, 3>,
+    q_pe: &Tensor<B, 3>,
+    pool: &Tensor<B, 2>,
+    rows: &eyrie_quant::cuda::attention::PagedRows,
+    scale: f64,
+) -> Option<Tensor<B, 3>> {
+    use eyrie_quant::cuda::attention::{AttentionConfig, mla_attention};
+    let [h, n, r] = q_lat.dims();
+    let rot = q_pe.dims()[2];
+    let [slots, width] = pool.dims();
+    if !is_cuda::<B>()
+        || n == 0
+        || n != rows.rows()
+        || width != r + rot
+        || !r.is_multiple_of(32)
+        || !rot.is_multiple_of(4)
+    {
+        return None;
+    }
+    if q_lat.dtype() != DType::F32 || q_pe.dtype() != DType::F32 || pool.dtype() != DType::F32 {
+        return None;
+    }
+    // [H, N, r + rot] -> [N, H, r + rot], made contiguous by `float`.
+    let q = Tensor::cat(vec![q_lat.clone(), q_pe.clone()], 2).swap_dims(0, 1);
+    let qc = float(q)?;
+    let pc = float(pool.clone())?;
+    let client = qc.client.clone();
+    let props = client.properties();
+    let sms = props.hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
+    let smem = props.hardware.max_shared_memory_size;
+    let max_len = rows.row_len.iter().copied().max().unwrap_or(0) as usize;
+    let cfg = AttentionConfig::new(n, h, max_len, width, sms, smem)?;
+    let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
+    let out = client.empty(n * h * r * 4);
+    mla_attention(&client, &qc.handle, &pc.handle, slots, rows, &meta, &out, h, r, rot, scale as f32, cfg).ok()?;
+    let o = back::<B, 3>(Cube::new_contiguous(client, qc.device.clone(), Shape::new([n, h, r]), out, DType::F32))?;
+    Some(o.swap_dims(0, 1))
+}

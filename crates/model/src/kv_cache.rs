@@ -179,6 +179,26 @@ impl<B: Backend> PagedMlaCache<B> {
         }
     }
 
+    /// Where each new token of `spans` reads (for the attention kernel): its sequence's blocks and the positions
+    /// it sees, `start + i + 1` for the span's `i`-th new token.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn paged_rows(&self, spans: &[SeqSpan<'_>]) -> eyrie_quant::cuda::attention::PagedRows {
+        let max_blocks = spans.iter().map(|s| (s.start + s.len).div_ceil(self.block_size)).max().unwrap_or(1).max(1);
+        let rows: usize = spans.iter().map(|s| s.len).sum();
+        let (mut row_seq, mut row_len) = (vec![0u32; rows], vec![0u32; rows]);
+        let mut tables = Vec::with_capacity(spans.len() * max_blocks);
+        for (i, span) in spans.iter().enumerate() {
+            for j in 0..span.len {
+                row_seq[span.row + j] = i as u32;
+                row_len[span.row + j] = (span.start + j + 1) as u32;
+            }
+            let used = (span.start + span.len).div_ceil(self.block_size);
+            tables.extend(span.seq.blocks[..used].iter().map(|&b| b as u32));
+            tables.extend(std::iter::repeat_n(0, max_blocks - used));
+        }
+        eyrie_quant::cuda::attention::PagedRows { row_seq, row_len, tables, max_blocks, block_size: self.block_size }
+    }
+
     /// The latents of layer `layer` for positions `0..len`, `[len, r + rope]`.
     pub fn read(&self, layer: usize, seq: &SequenceCache, len: usize) -> Tensor<B, 2> {
         let pool = &self.pools[layer];
@@ -245,6 +265,18 @@ impl<B: Backend> Mla<B> {
 
         // [H, N, r]
         let q_lat = q_nope.matmul(w_uk);
+        #[cfg(feature = "cuda")]
+        if let Some(o_lat) = crate::cuda_ops::mla_attention(
+            &q_lat,
+            &q_pe,
+            &cache.pools[layer],
+            &cache.paged_rows(spans),
+            self.softmax_scale,
+        ) {
+            // [H, N, r] -> [H, N, vd] -> [N, H*vd]
+            let o = o_lat.matmul(w_uv.swap_dims(1, 2)).swap_dims(0, 1).reshape([n, h * vd]);
+            return self.o_proj.forward(o).reshape([n, d]);
+        }
         // [H, N, r]: decode steps (one new token) of two or more sequences together, each other span alone; the
         // parts come back in group order and are put back in row order.
         let decodes: Vec<&SeqSpan<'_>> = spans.iter().filter(|span| span.len == 1).collect();
@@ -354,5 +386,100 @@ impl<B: Backend> Mla<B> {
         let probs = softmax(scores.mask_fill(mask, f32::NEG_INFINITY), 2);
         // [H, n, r]
         probs.matmul(c_all)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::tensor::{Tensor, TensorData};
+    use eyrie_quant::cuda::attention::mla_attention_reference;
+
+    use super::*;
+    use crate::linear::Linear;
+    use crate::mla::QueryProjection;
+
+    /// Values in `[-1, 1)` from a fixed LCG.
+    fn values(state: &mut u64, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                *state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The CUDA attention kernel computes `mla_attention_reference` over `paged_rows`: that must be what the burn
+    /// path computes (decode rows batched, a prefill chunk alone), page tables and causal limits included.
+    #[test]
+    fn paged_rows_and_the_kernel_reference_match_the_burn_attention() {
+        let dev = Default::default();
+        let (h, r, rot, bs, num_blocks) = (3usize, 8usize, 4usize, 4usize, 12usize);
+        let width = r + rot;
+        let mut st = 7u64;
+        let pool = values(&mut st, num_blocks * bs * width);
+        let cache = PagedMlaCache::<Flex> {
+            pools: vec![Tensor::from_data(TensorData::new(pool.clone(), [num_blocks * bs, width]), &dev)],
+            spare: Tensor::zeros([1, width], &dev),
+            block_size: bs,
+            blocks: BlockPool::new(num_blocks, bs),
+        };
+        // Blocks already reserved for the new tokens; `len` is still the old length.
+        let seqs = [
+            SequenceCache { blocks: vec![7, 2], len: 5 },
+            SequenceCache { blocks: vec![0, 5, 9], len: 8 },
+            SequenceCache { blocks: vec![11, 3], len: 5 },
+        ];
+        let spans = [
+            SeqSpan { seq: &seqs[0], row: 0, start: 5, len: 1 },
+            SeqSpan { seq: &seqs[1], row: 1, start: 8, len: 1 },
+            SeqSpan { seq: &seqs[2], row: 2, start: 5, len: 3 },
+        ];
+        let n = 5;
+        let zeros = |o, i| Linear::<Flex>::from_weight(Tensor::zeros([o, i], &dev));
+        let mla = Mla::<Flex> {
+            q: QueryProjection::Plain { q_proj: zeros(1, 1) },
+            kv_a_proj_with_mqa: zeros(1, 1),
+            kv_a_layernorm: crate::rms_norm::RmsNorm::new(Tensor::ones([r], &dev), 1e-6),
+            kv_b_proj: zeros(1, 1),
+            o_proj: zeros(1, 1),
+            num_heads: h,
+            qk_nope_head_dim: 2,
+            qk_rope_head_dim: rot,
+            v_head_dim: 2,
+            kv_lora_rank: r,
+            softmax_scale: 0.37,
+        };
+        let q_lat = values(&mut st, h * n * r);
+        let q_pe = values(&mut st, h * n * rot);
+        let q_lat_t = Tensor::<Flex, 3>::from_data(TensorData::new(q_lat.clone(), [h, n, r]), &dev);
+        let q_pe_t = Tensor::<Flex, 3>::from_data(TensorData::new(q_pe.clone(), [h, n, rot]), &dev);
+        // burn: the two decodes batched (rows 0, 1), the chunk alone (rows 2..5) -> [H, N, r].
+        let decodes = [&spans[0], &spans[1]];
+        let a = mla.attend_decodes(
+            q_lat_t.clone().narrow(1, 0, 2),
+            q_pe_t.clone().narrow(1, 0, 2),
+            &cache,
+            0,
+            &decodes,
+            &dev,
+        );
+        let b = mla.attend_cached(q_lat_t.narrow(1, 2, 3), q_pe_t.narrow(1, 2, 3), &cache, 0, &spans[2], &dev);
+        let burn_out: Vec<f32> = Tensor::cat(vec![a, b], 1).into_data().to_vec().unwrap();
+
+        let rows = cache.paged_rows(&spans);
+        assert_eq!(rows.row_seq, vec![0, 1, 2, 2, 2]);
+        assert_eq!(rows.row_len, vec![6, 9, 6, 7, 8]);
+        // q as the kernel takes it: [N, H, r + rot].
+        let mut q = vec![0.0f32; n * h * width];
+        for (hh, i) in (0..h).flat_map(|hh| (0..n).map(move |i| (hh, i))) {
+            q[(i * h + hh) * width..][..r].copy_from_slice(&q_lat[(hh * n + i) * r..][..r]);
+            q[(i * h + hh) * width + r..][..rot].copy_from_slice(&q_pe[(hh * n + i) * rot..][..rot]);
+        }
+        let want = mla_attention_reference(&q, &pool, &rows, h, r, rot, 0.37);
+        for (hh, i, c) in (0..h).flat_map(|hh| (0..n).flat_map(move |i| (0..r).map(move |c| (hh, i, c)))) {
+            let (got, exp) = (burn_out[(hh * n + i) * r + c], want[(i * h + hh) * r + c]);
+            assert!((got - exp).abs() < 1e-5, "head {hh} row {i} dim {c}: burn {got} vs reference {exp}");
+        }
     }
 }

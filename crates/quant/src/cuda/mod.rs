@@ -1,4 +1,5 @@
-//! Fused INT4 W4A16 mixture-of-experts for decode and verification widths (1..256 tokens), after issue 4.
+//! The engine's CUDA hot-path kernels (issue 4): fused INT4 W4A16 mixture-of-experts for decode and verification
+//! widths (1..256 tokens), BF16-weight GEMV ([`dense`]) and MLA attention over the paged latent cache ([`attention`]).
 //!
 //! - [`experts`]: the experts of one layer, their kernel layout (built once at load time) and the grouping of
 //!   token-expert pairs by expert. Always built.
@@ -9,6 +10,7 @@
 //! - [`resources`]: ptxas resource reports and per-architecture block limits; [`offline`] (feature `cuda`): the
 //!   CUDA C++ of each specialisation for a target architecture, made without a GPU (`cargo xtask kernels`).
 
+pub mod attention;
 pub mod dense;
 pub mod experts;
 pub mod reference;

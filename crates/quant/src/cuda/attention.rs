@@ -1,0 +1,617 @@
+//! MLA attention in its absorbed form over a paged latent cache (DeepSeek-V2, arXiv:2405.04434, appendix C): for
+//! decode, verification and prefill chunks alike. Every query row `i` (one new token of one sequence, per head
+//! `h`) is `q[i, h] = [q_lat (r) | q_pe (rot)]` (`q_lat = q_nope W_uk`); every cached position `t` of the row's
+//! sequence is one latent `c[t] = [c_kv (r) | k_pe (rot)]`, shared by all heads. The row sees the first `len[i]`
+//! positions of its sequence (causality: a new token at position `p` sees `p + 1`), and
+//!
+//! `o[i, h] = sum_t softmax_t(scale * q[i, h] . c[t]) * c_kv[t]`   (`[r]`, f32 throughout: no TF32, no BF16).
+//!
+//! Position `t` of a sequence lives in cache row `table[seq][t / block_size] * block_size + t % block_size`.
+//!
+//! Work split (flash decoding): grid `(splits, rows, head groups)`. A block of `warps` warps owns one query row,
+//! `8 * warps` heads (8 per warp) and one slice of the row's positions, which it walks in tiles of 32: the tile's
+//! latents are gathered from the page table into shared memory (each latent read once for all the block's heads),
+//! lane `t` scores key `t` against the warp's 8 heads (queries in shared memory, 8 heads per two 16-byte
+//! broadcasts), an online softmax keeps each head's running max and sum, and each lane accumulates its share of
+//! the value dimensions (`lane + 32 j`; `r` must be a multiple of 32) for the warp's 8 heads in registers. Slices of one row are merged by
+//! [`mla_combine_kernel`] (log-sum-exp weights) when the row was split; with one slice the block writes the
+//! normalized output itself.
+//!
+//! The CPU reference is [`mla_attention_reference`] (f64), always built and tested in CI.
+
+/// Where each query row reads: its sequence's page table and how many positions it sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedRows {
+    /// Per query row, the index of its sequence in `tables`.
+    pub row_seq: Vec<u32>,
+    /// Per query row, the positions it sees (`0..len`); at least 1.
+    pub row_len: Vec<u32>,
+    /// Per sequence, its cache blocks in position order, padded to `max_blocks` entries.
+    pub tables: Vec<u32>,
+    /// Entries per sequence in `tables`.
+    pub max_blocks: usize,
+    /// Positions per cache block.
+    pub block_size: usize,
+}
+
+impl PagedRows {
+    /// Query rows.
+    pub fn rows(&self) -> usize {
+        self.row_seq.len()
+    }
+
+    /// The cache row holding position `pos` of the sequence of query row `row`.
+    pub fn slot(&self, row: usize, pos: usize) -> usize {
+        let seq = self.row_seq[row] as usize;
+        self.tables[seq * self.max_blocks + pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+
+    /// Checks the tables against a cache of `slots` rows: every row's sequence exists, `1 <= len`, every block a
+    /// row reads is inside the table and the cache.
+    ///
+    /// # Errors
+    /// A message naming the row and field that is out of range.
+    pub fn validate(&self, slots: usize) -> Result<(), String> {
+        if self.row_len.len() != self.row_seq.len() {
+            return Err(format!("row_len has {} entries, row_seq {}", self.row_len.len(), self.row_seq.len()));
+        }
+        if self.block_size == 0 || self.max_blocks == 0 || !self.tables.len().is_multiple_of(self.max_blocks) {
+            return Err(format!(
+                "block_size {}, max_blocks {}, tables {}: need block_size, max_blocks >= 1 and whole tables",
+                self.block_size,
+                self.max_blocks,
+                self.tables.len()
+            ));
+        }
+        let seqs = self.tables.len() / self.max_blocks;
+        for (row, (&seq, &len)) in self.row_seq.iter().zip(&self.row_len).enumerate() {
+            let (seq, len) = (seq as usize, len as usize);
+            if seq >= seqs {
+                return Err(format!("row {row}: row_seq {seq} but only {seqs} sequence tables"));
+            }
+            if len == 0 || len.div_ceil(self.block_size) > self.max_blocks {
+                return Err(format!("row {row}: row_len {len} outside 1..={}", self.max_blocks * self.block_size));
+            }
+            for b in 0..len.div_ceil(self.block_size) {
+                let block = self.tables[seq * self.max_blocks + b] as usize;
+                if (block + 1) * self.block_size > slots {
+                    return Err(format!("row {row}: block {block} lies past the cache's {slots} rows"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `row_seq`, `row_len` and `tables` in one buffer, as the kernel reads them.
+    pub fn packed(&self) -> Vec<u32> {
+        let mut meta = Vec::with_capacity(2 * self.rows() + self.tables.len());
+        meta.extend_from_slice(&self.row_seq);
+        meta.extend_from_slice(&self.row_len);
+        meta.extend_from_slice(&self.tables);
+        meta
+    }
+}
+
+/// The attention of every query row (module docs), f64 accumulation: `q` `[rows, heads, r + rot]`, `cache`
+/// `[slots, r + rot]` -> `[rows, heads, r]`.
+pub fn mla_attention_reference(
+    q: &[f32],
+    cache: &[f32],
+    rows: &PagedRows,
+    heads: usize,
+    r: usize,
+    rot: usize,
+    scale: f64,
+) -> Vec<f32> {
+    let d = r + rot;
+    let mut out = vec![0.0f32; rows.rows() * heads * r];
+    for row in 0..rows.rows() {
+        let len = rows.row_len[row] as usize;
+        let slots: Vec<usize> = (0..len).map(|t| rows.slot(row, t)).collect();
+        for h in 0..heads {
+            let qh = &q[(row * heads + h) * d..][..d];
+            let scores: Vec<f64> = slots
+                .iter()
+                .map(|&s| {
+                    scale * qh.iter().zip(&cache[s * d..][..d]).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>()
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let sum: f64 = weights.iter().sum();
+            let o = &mut out[(row * heads + h) * r..][..r];
+            for (c, o) in o.iter_mut().enumerate() {
+                let v: f64 = slots.iter().zip(&weights).map(|(&s, w)| w * f64::from(cache[s * d + c])).sum();
+                *o = (v / sum) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// Shared memory of one block of [`gpu::mla_attention_kernel`] with `warps` warps and latents of width `d`:
+/// the block's queries (`8 warps` heads x `d`), one tile of 32 latents (rows padded by one word against bank
+/// conflicts) and each warp's 32 x 8 softmax weights.
+pub fn attention_shared_bytes(d: usize, warps: usize) -> usize {
+    4 * (d * 8 * warps + 32 * (d + 1) + warps * 32 * 8)
+}
+
+/// Launch shape of the attention: warps per block (8 heads each) and slices per query row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionConfig {
+    /// Warps per block: 1 to 4; 8 heads each.
+    pub warps: usize,
+    /// Slices of each row's positions (each a multiple of 32 positions), merged by the combine kernel.
+    pub splits: usize,
+    /// Positions per slice (a multiple of 32).
+    pub chunk: usize,
+}
+
+impl AttentionConfig {
+    /// The shape for `rows` query rows of `heads` heads over at most `max_len` positions, latents of width `d`, on
+    /// a device with `sms` multiprocessors and `smem` bytes of shared memory per block: as many warps as the
+    /// heads fill (at most 4) and the shared memory allows, then enough slices to give every multiprocessor about
+    /// two blocks.
+    pub fn new(rows: usize, heads: usize, max_len: usize, d: usize, sms: usize, smem: usize) -> Option<Self> {
+        let mut warps = heads.div_ceil(8).clamp(1, 4);
+        while warps > 1 && attention_shared_bytes(d, warps) > smem {
+            warps -= 1;
+        }
+        if attention_shared_bytes(d, warps) > smem || rows == 0 || max_len == 0 {
+            return None;
+        }
+        let blocks = rows * heads.div_ceil(8 * warps);
+        let tiles = max_len.div_ceil(32);
+        let want = (2 * sms).div_ceil(blocks).clamp(1, tiles);
+        let chunk = tiles.div_ceil(want) * 32;
+        Some(Self { warps, splits: max_len.div_ceil(chunk), chunk })
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub use gpu::{mla_attention, mla_attention_kernel, mla_combine_kernel};
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use burn::cubecl;
+    use cubecl::prelude::*;
+    use cubecl::server::Handle;
+
+    use super::{AttentionConfig, PagedRows};
+
+    /// One block: one query row, `8 * warps` heads, one slice of positions (module docs).
+    #[cube(launch_unchecked, address_type = "dynamic")]
+    #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
+    pub fn mla_attention_kernel<N: Size>(
+        q: &Array<f32>,
+        cache: &Array<Vector<f32, N>>,
+        meta: &Array<u32>,
+        o_part: &mut Array<f32>,
+        ml_part: &mut Array<f32>,
+        n_rows: u32,
+        heads: u32,
+        max_blocks: u32,
+        block_size: u32,
+        chunk: u32,
+        scale: f32,
+        #[comptime] r: usize,
+        #[comptime] rot: usize,
+        #[comptime] warps: usize,
+    ) {
+        let lane = UNIT_POS_X as usize;
+        let warp = UNIT_POS_Y as usize;
+        let tid = UNIT_POS as usize;
+        let split = CUBE_POS_X as usize;
+        let row = CUBE_POS_Y as usize;
+        let n_rows = n_rows as usize;
+        let heads = heads as usize;
+        let bs = block_size as usize;
+        let d = comptime!(r + rot);
+        let dv = comptime!((r + rot) / 4);
+        let kst = comptime!(r + rot + 1);
+        let hq = comptime!(2 * warps);
+        let rj = comptime!(r.div_ceil(32));
+        let threads = comptime!(32 * warps);
+        let h0 = CUBE_POS_Z as usize * comptime!(8 * warps);
+
+        let seq = meta[row] as usize;
+        let len = meta[n_rows + row] as usize;
+        let table0 = 2 * n_rows + seq * max_blocks as usize;
+        let k_begin = split * chunk as usize;
+        let mut k_end = k_begin + chunk as usize;
+        if k_end > len {
+            k_end = len;
+        }
+
+        // Queries of the block's heads, [d][heads / 4] vectors of 4 heads; heads past the end are 0.
+        let mut qs = SharedMemory::<Vector<f32, N>>::new(comptime!((r + rot) * 2 * warps));
+        for it in 0..comptime!(((r + rot) * 2 * warps).div_ceil(32 * warps)) {
+            let i = it * threads + tid;
+            if i < comptime!((r + rot) * 2 * warps) {
+                let c = i % d;
+                let g = i / d;
+                let mut v = Vector::<f32, N>::empty();
+                #[unroll]
+                for j in 0..4usize {
+                    let h = h0 + g * 4 + j;
+                    let mut x = f32::new(0.0);
+                    if h < heads {
+                        x = q[(row * heads + h) * d + c];
+                    }
+                    v[j] = x;
+                }
+                qs[c * hq + g] = v;
+            }
+        }
+        let mut ks = SharedMemory::<f32>::new(comptime!(32 * (r + rot + 1)));
+        let mut ps = SharedMemory::<Vector<f32, N>>::new(comptime!(warps * 64));
+
+        let mut acc = Array::<f32>::new(comptime!(8 * r.div_ceil(32)));
+        #[unroll]
+        for a in 0..comptime!(8 * r.div_ceil(32)) {
+            acc[a] = f32::new(0.0);
+        }
+        let mut m = Array::<f32>::new(8usize);
+        let mut l = Array::<f32>::new(8usize);
+        let mut s = Array::<f32>::new(8usize);
+        let mut p = Array::<f32>::new(8usize);
+        #[unroll]
+        for h in 0..8usize {
+            m[h] = f32::new(-1.0e30);
+            l[h] = f32::new(0.0);
+        }
+
+        if k_end < k_begin {
+            k_end = k_begin;
+        }
+        let n_tiles = (k_end - k_begin + 31) / 32;
+        for tile in 0..n_tiles {
+            let t0 = k_begin + tile * 32;
+            // The previous tile's readers are done (and, the first time, the queries are in place).
+            sync_cube();
+            for it in 0..comptime!((32 * (r + rot) / 4).div_ceil(32 * warps)) {
+                let i = it * threads + tid;
+                if i < comptime!(32 * (r + rot) / 4) {
+                    let key = i / dv;
+                    let c4 = i % dv;
+                    let pos = t0 + key;
+                    let mut v = Vector::<f32, N>::empty();
+                    v[0] = f32::new(0.0);
+                    v[1] = f32::new(0.0);
+                    v[2] = f32::new(0.0);
+                    v[3] = f32::new(0.0);
+                    if pos < k_end {
+                        let block = meta[table0 + pos / bs] as usize;
+                        v = cache[(block * bs + pos % bs) * dv + c4];
+                    }
+                    let base = key * kst + c4 * 4;
+                    ks[base] = v[0];
+                    ks[base + 1] = v[1];
+                    ks[base + 2] = v[2];
+                    ks[base + 3] = v[3];
+                }
+            }
+            sync_cube();
+
+            // Lane = key: scores against the warp's 8 heads.
+            #[unroll]
+            for h in 0..8usize {
+                s[h] = f32::new(0.0);
+            }
+            for c in 0..d {
+                let kv = ks[lane * kst + c];
+                let qa = qs[c * hq + 2 * warp];
+                let qb = qs[c * hq + 2 * warp + 1];
+                s[0usize] += qa[0] * kv;
+                s[1usize] += qa[1] * kv;
+                s[2usize] += qa[2] * kv;
+                s[3usize] += qa[3] * kv;
+                s[4usize] += qb[0] * kv;
+                s[5usize] += qb[1] * kv;
+                s[6usize] += qb[2] * kv;
+                s[7usize] += qb[3] * kv;
+            }
+            let valid = t0 + lane < k_end;
+            #[unroll]
+            for h in 0..8usize {
+                let mut sv = s[h] * scale;
+                if !valid {
+                    sv = f32::new(-1.0e30);
+                }
+                let m_new = f32::max(m[h], plane_max(sv));
+                let alpha = (m[h] - m_new).exp();
+                let mut pv = (sv - m_new).exp();
+                if !valid {
+                    pv = f32::new(0.0);
+                }
+                l[h] = l[h] * alpha + plane_sum(pv);
+                m[h] = m_new;
+                p[h] = pv;
+                #[unroll]
+                for j in 0..rj {
+                    acc[h * rj + j] *= alpha;
+                }
+            }
+            let mut pa = Vector::<f32, N>::empty();
+            let mut pb = Vector::<f32, N>::empty();
+            pa[0] = p[0usize];
+            pa[1] = p[1usize];
+            pa[2] = p[2usize];
+            pa[3] = p[3usize];
+            pb[0] = p[4usize];
+            pb[1] = p[5usize];
+            pb[2] = p[6usize];
+            pb[3] = p[7usize];
+            ps[(warp * 32 + lane) * 2] = pa;
+            ps[(warp * 32 + lane) * 2 + 1] = pb;
+            sync_plane();
+
+            // Lane = value dimensions lane + 32 j: accumulate every key of the tile for the warp's 8 heads.
+            for t in 0..32usize {
+                let wa = ps[(warp * 32 + t) * 2];
+                let wb = ps[(warp * 32 + t) * 2 + 1];
+                #[unroll]
+                for j in 0..rj {
+                    let v = ks[t * kst + j * 32 + lane];
+                    acc[j] += wa[0] * v;
+                    acc[rj + j] += wa[1] * v;
+                    acc[2 * rj + j] += wa[2] * v;
+                    acc[3 * rj + j] += wa[3] * v;
+                    acc[4 * rj + j] += wb[0] * v;
+                    acc[5 * rj + j] += wb[1] * v;
+                    acc[6 * rj + j] += wb[2] * v;
+                    acc[7 * rj + j] += wb[3] * v;
+                }
+            }
+        }
+
+        let base = (split * n_rows + row) * heads;
+        #[unroll]
+        for h in 0..8usize {
+            let head = h0 + warp * 8 + h;
+            if head < heads {
+                let mut inv = f32::new(0.0);
+                if l[h] > f32::new(0.0) {
+                    inv = f32::new(1.0) / l[h];
+                }
+                #[unroll]
+                for j in 0..rj {
+                    o_part[(base + head) * r + j * 32 + lane] = acc[h * rj + j] * inv;
+                }
+                if lane == 0 {
+                    ml_part[(base + head) * 2] = m[h];
+                    ml_part[(base + head) * 2 + 1] = l[h];
+                }
+            }
+        }
+    }
+
+    /// Merges the slices of each (row, head): weights `l_s exp(m_s - max m)` over the slices' normalized outputs.
+    /// One block of 128 threads per (row, head).
+    #[cube(launch_unchecked, address_type = "dynamic")]
+    pub fn mla_combine_kernel(
+        o_part: &Array<f32>,
+        ml_part: &Array<f32>,
+        out: &mut Array<f32>,
+        pairs: u32,
+        splits: u32,
+        #[comptime] r: usize,
+    ) {
+        let rh = CUBE_POS_X as usize;
+        let tid = UNIT_POS as usize;
+        let pairs = pairs as usize;
+        let mut mx = f32::new(-1.0e30);
+        for s in 0..splits as usize {
+            if ml_part[(s * pairs + rh) * 2 + 1] > f32::new(0.0) {
+                mx = f32::max(mx, ml_part[(s * pairs + rh) * 2]);
+            }
+        }
+        let mut den = f32::new(0.0);
+        for s in 0..splits as usize {
+            let l = ml_part[(s * pairs + rh) * 2 + 1];
+            if l > f32::new(0.0) {
+                den += l * (ml_part[(s * pairs + rh) * 2] - mx).exp();
+            }
+        }
+        let mut inv = f32::new(0.0);
+        if den > f32::new(0.0) {
+            inv = f32::new(1.0) / den;
+        }
+        for it in 0..comptime!(r.div_ceil(128)) {
+            let c = it * 128 + tid;
+            if c < r {
+                let mut num = f32::new(0.0);
+                for s in 0..splits as usize {
+                    let l = ml_part[(s * pairs + rh) * 2 + 1];
+                    if l > f32::new(0.0) {
+                        num += l * (ml_part[(s * pairs + rh) * 2] - mx).exp() * o_part[(s * pairs + rh) * r + c];
+                    }
+                }
+                out[rh * r + c] = num * inv;
+            }
+        }
+    }
+
+    /// `out` `[rows, heads, r]` f32 = the attention of every query row (module docs of
+    /// `eyrie_quant::cuda::attention`): `q` `[rows, heads, r + rot]` f32, `cache` `[slots, r + rot]` f32, `meta`
+    /// the u32 buffer of [`PagedRows::packed`] for `rows`. Two launches when rows are split, one otherwise.
+    ///
+    /// # Errors
+    /// A message naming the parameter when a size does not fit or the page tables point outside the cache
+    /// (nothing is launched then).
+    #[allow(clippy::too_many_arguments)]
+    pub fn mla_attention<R: Runtime>(
+        client: &ComputeClient<R>,
+        q: &Handle,
+        cache: &Handle,
+        slots: usize,
+        rows: &PagedRows,
+        meta: &Handle,
+        out: &Handle,
+        heads: usize,
+        r: usize,
+        rot: usize,
+        scale: f32,
+        cfg: AttentionConfig,
+    ) -> Result<(), String> {
+        let d = r + rot;
+        let n = rows.rows();
+        if n == 0 || heads == 0 || r == 0 || !r.is_multiple_of(32) || !rot.is_multiple_of(4) {
+            return Err(format!(
+                "mla_attention: rows {n}, heads {heads}, r {r}, rot {rot}: need rows, heads >= 1, r a multiple of 32 \
+                 and rot of 4"
+            ));
+        }
+        if !(1..=4).contains(&cfg.warps) || cfg.splits == 0 || cfg.chunk == 0 || !cfg.chunk.is_multiple_of(32) {
+            return Err(format!("mla_attention: launch shape {cfg:?}"));
+        }
+        rows.validate(slots).map_err(|e| format!("mla_attention: {e}"))?;
+        let max_len = rows.row_len.iter().copied().max().unwrap_or(0) as usize;
+        if cfg.splits * cfg.chunk < max_len {
+            return Err(format!(
+                "mla_attention: {} slices of {} positions do not cover {max_len}",
+                cfg.splits, cfg.chunk
+            ));
+        }
+        let meta_len = rows.packed().len();
+        let sizes = [
+            ("q", q, n * heads * d * 4),
+            ("cache", cache, slots * d * 4),
+            ("meta", meta, meta_len * 4),
+            ("out", out, n * heads * r * 4),
+        ];
+        for (name, h, bytes) in sizes {
+            if (h.size_in_used() as usize) < bytes {
+                return Err(format!("mla_attention: {name} holds {} bytes, needs {bytes}", h.size_in_used()));
+            }
+        }
+        let pairs = n * heads;
+        let (o_part, o_len) = if cfg.splits == 1 {
+            (out.clone(), pairs * r)
+        } else {
+            (client.empty(cfg.splits * pairs * r * 4), cfg.splits * pairs * r)
+        };
+        let ml_part = client.empty(cfg.splits * pairs * 2 * 4);
+        let count = CubeCount::Static(cfg.splits as u32, n as u32, heads.div_ceil(8 * cfg.warps) as u32);
+        let address = AddressType::from_len((slots * d).max(o_len).max(n * heads * d));
+        // SAFETY: sizes and page tables checked above (`validate`: every block a row reads is inside the cache);
+        // the kernel reads `q` rows `< n` and heads `< heads`, positions `< row_len` through the tables, and writes
+        // `o_part`/`ml_part` at `(split, row, head < heads)`.
+        unsafe {
+            mla_attention_kernel::launch_unchecked::<R>(
+                client,
+                count,
+                CubeDim::new_2d(32, cfg.warps as u32),
+                address,
+                4,
+                ArrayArg::from_raw_parts(q.clone(), n * heads * d),
+                ArrayArg::from_raw_parts(cache.clone(), slots * d / 4),
+                ArrayArg::from_raw_parts(meta.clone(), meta_len),
+                ArrayArg::from_raw_parts(o_part.clone(), o_len),
+                ArrayArg::from_raw_parts(ml_part.clone(), cfg.splits * pairs * 2),
+                n as u32,
+                heads as u32,
+                rows.max_blocks as u32,
+                rows.block_size as u32,
+                cfg.chunk as u32,
+                scale,
+                r,
+                rot,
+                cfg.warps,
+            );
+            if cfg.splits > 1 {
+                mla_combine_kernel::launch_unchecked::<R>(
+                    client,
+                    CubeCount::Static(pairs as u32, 1, 1),
+                    CubeDim::new_1d(128),
+                    AddressType::from_len(o_len),
+                    ArrayArg::from_raw_parts(o_part.clone(), o_len),
+                    ArrayArg::from_raw_parts(ml_part.clone(), cfg.splits * pairs * 2),
+                    ArrayArg::from_raw_parts(out.clone(), pairs * r),
+                    pairs as u32,
+                    cfg.splits as u32,
+                    r,
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one_seq(lens: &[u32], blocks: &[u32], block_size: usize) -> PagedRows {
+        PagedRows {
+            row_seq: vec![0; lens.len()],
+            row_len: lens.to_vec(),
+            tables: blocks.to_vec(),
+            max_blocks: blocks.len(),
+            block_size,
+        }
+    }
+
+    #[test]
+    fn one_position_returns_its_latent() {
+        // r = 2, rot = 1; cache rows 0 and 1; the sequence lives in block 1 (block size 1).
+        let cache = [9.0, 9.0, 9.0, 0.5, -2.0, 1.0];
+        let rows = one_seq(&[1], &[1], 1);
+        let out = mla_attention_reference(&[1.0, 2.0, 3.0, -1.0, 0.0, 4.0], &cache, &rows, 2, 2, 1, 0.3);
+        assert_eq!(out, vec![0.5, -2.0, 0.5, -2.0]);
+    }
+
+    #[test]
+    fn equal_scores_average_and_causal_lengths_cut() {
+        // Two positions with the same score (q . k_pe = 0, q_lat = 0): mean of the two; len 1 sees only the first.
+        let cache = [1.0, 3.0, 0.0, 0.0, 5.0, -7.0, 0.0, 0.0];
+        let rows = one_seq(&[2, 1], &[0, 1], 1);
+        let q = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0];
+        let out = mla_attention_reference(&q, &cache, &rows, 1, 2, 2, 1.0);
+        assert_eq!(out, vec![3.0, -2.0, 1.0, 3.0]);
+    }
+
+    #[test]
+    fn softmax_weights_follow_the_scores() {
+        // r = 4, rot = 1. Scores 0 and ln 3 (scale 1): weights 1/4 and 3/4. Block size 2: positions 0 and 1 are
+        // cache rows 0 and 1 of block 0; the table's other entries are never read at length 2.
+        let mut cache = vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 3f32.ln()];
+        cache.extend_from_slice(&[0.0; 10]);
+        let rows =
+            PagedRows { row_seq: vec![0], row_len: vec![2], tables: vec![0, 1, 7], max_blocks: 3, block_size: 2 };
+        let out = mla_attention_reference(&[0.0, 0.0, 0.0, 0.0, 1.0], &cache, &rows, 1, 4, 1, 1.0);
+        let want = [0.25, 0.0, 0.0, 0.75];
+        assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{out:?}");
+    }
+
+    #[test]
+    fn validate_names_the_bad_row() {
+        let rows = PagedRows {
+            row_seq: vec![0, 1],
+            row_len: vec![3, 1],
+            tables: vec![0, 1, 2, 0],
+            max_blocks: 2,
+            block_size: 2,
+        };
+        assert!(rows.validate(6).is_ok());
+        assert!(rows.validate(3).unwrap_err().contains("row 0: block 1"));
+        let bad = PagedRows { row_len: vec![5, 1], ..rows.clone() };
+        assert!(bad.validate(6).unwrap_err().contains("row 0: row_len 5"));
+        let bad = PagedRows { row_seq: vec![0, 2], ..rows };
+        assert!(bad.validate(6).unwrap_err().contains("row 1: row_seq 2"));
+    }
+
+    #[test]
+    fn config_fits_shared_memory_and_covers_the_positions() {
+        let c = AttentionConfig::new(8, 64, 8192, 576, 132, 227 * 1024).unwrap();
+        assert_eq!(c.warps, 4);
+        assert!(c.splits * c.chunk >= 8192 && c.chunk.is_multiple_of(32));
+        assert!(8 * 2 * c.splits >= 132, "every multiprocessor gets a block: {c:?}");
+        // SM120: 99 KiB per block allows one warp (8 heads) with a 576-wide latent tile.
+        let c = AttentionConfig::new(1, 64, 1000, 576, 188, 99 * 1024).unwrap();
+        assert_eq!(c.warps, 1);
+        assert!(attention_shared_bytes(576, 1) <= 99 * 1024);
+        // A prefill chunk of 1024 rows needs no split.
+        assert_eq!(AttentionConfig::new(1024, 64, 1024, 576, 132, 227 * 1024).unwrap().splits, 1);
+    }
+}
