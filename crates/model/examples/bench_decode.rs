@@ -3,7 +3,7 @@
 //! the GPUs (`eyrie_model::synthetic`), on one GPU or spread over `tp x ep` GPUs with NCCL
 //! (`eyrie_model::parallel::ParallelGroup`, the server's code path). Issue 7's scaling benchmark.
 //!
-//! For each split and batch: every sequence is prefilled with `--context` tokens (1024-token chunks), then `--steps`
+//! For each split and batch: every sequence is prefilled with `--context` tokens (chunks of 1024 tokens a sequence, at most 8192 rows a forward), then `--steps`
 //! decode steps (one token per sequence) are timed one by one after `--warmup` untimed ones (kernel compilation and
 //! matmul autotuning happen there); the median step is reported, with the mean and the slowest. Printed and written as
 //! JSON (rewritten after every split; progress lines carry the seconds since start): ms per step, the share of rank 0's
@@ -13,7 +13,8 @@
 //! holds, `E (1 - (1 - k/E)^batch) / ep` for uniform routing, at INT4's 0.5625 bytes a parameter (packed words + BF16
 //! group scales, as the fused layout holds them on the GPU), and the latent cache. On CUDA decode steps run the routed
 //! experts through the fused INT4 kernel, which reads exactly those bytes, and the dense Linears through the
-//! BF16-weight GEMV kernel (f32 activations); attention over the cache is burn ops (issue 4).
+//! BF16-weight GEMV kernel (f32 activations), and attention (prefill chunks too) through the MLA attention kernel
+//! over the paged cache (`eyrie_quant::cuda::attention`: f32, no score matrix in memory).
 //!
 //! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8] [--warmup 3]
 //!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR]
@@ -41,7 +42,10 @@ fn t() -> f64 {
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 const BLOCK: usize = 64;
-const CHUNK: usize = 1024;
+/// Prefill rows per forward (all sequences' chunks together): 1024 tokens per sequence, fewer when the batch is
+/// large, so that a chunk's activations (queries of 64 heads x 576 f32 per row, the MoE's gathered rows) fit
+/// beside 10 layers of weights.
+const PREFILL_ROWS: usize = 8192;
 /// Bytes a parameter of an INT4 expert on the device: half a byte of packed word, a BF16 scale per 32 (the
 /// fused layout, `eyrie_model::fused_moe`).
 const INT4_BYTES: f64 = 0.5 + 2.0 / 32.0;
@@ -137,8 +141,9 @@ fn run_split<B: ParallelBackend>(
         let prompts: Vec<Vec<u32>> =
             (0..batch).map(|s| (0..context).map(|t| ((s * 7919 + t * 104_729) % vocab) as u32).collect()).collect();
         let prefill = Instant::now();
-        for start in (0..context).step_by(CHUNK) {
-            let end = (start + CHUNK).min(context);
+        let chunk = (PREFILL_ROWS / batch).clamp(64, 1024);
+        for start in (0..context).step_by(chunk) {
+            let end = (start + chunk).min(context);
             let mut entries: Vec<BatchEntry<'_>> =
                 seqs.iter_mut().zip(&prompts).map(|(seq, p)| BatchEntry { seq, tokens: &p[start..end] }).collect();
             let logits = group.forward_batch(&mut entries, &mut cache, LogitRows::Last, &device)?;

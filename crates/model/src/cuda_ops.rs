@@ -218,3 +218,24 @@ pub(crate) fn mla_attention<B: Backend>(
     let o = back::<B, 3>(Cube::new_contiguous(client, qc.device.clone(), Shape::new([n, h, r]), out, DType::F32))?;
     Some(o.swap_dims(0, 1))
 }
+
+/// Writes `rows` `[n, width]` into rows `slots` of `pool` in place through eyrie-quant's `write_rows` kernel (one
+/// launch), or returns false (not CUDA, not f32, `pool` not contiguous, a size refused) and writes nothing.
+pub(crate) fn write_rows<B: Backend>(pool: &Tensor<B, 2>, rows: Tensor<B, 2>, slots: &[u32]) -> bool {
+    let [pool_rows, width] = pool.dims();
+    if !is_cuda::<B>()
+        || rows.dims() != [slots.len(), width]
+        || pool.dtype() != DType::F32
+        || rows.dtype() != DType::F32
+    {
+        return false;
+    }
+    // The pool's own buffer (never a contiguous copy of it: the write must land in the cache).
+    let boxed: Box<dyn Any> = Box::new(pool.clone().into_primitive().tensor());
+    let Ok(pc) = boxed.downcast::<Cube>() else { return false };
+    if !pc.is_contiguous() {
+        return false;
+    }
+    let Some(rc) = float(rows) else { return false };
+    eyrie_quant::cuda::attention::write_rows(&pc.client, &rc.handle, slots, &pc.handle, pool_rows, width).is_ok()
+}

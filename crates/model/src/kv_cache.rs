@@ -199,6 +199,30 @@ impl<B: Backend> PagedMlaCache<B> {
         eyrie_quant::cuda::attention::PagedRows { row_seq, row_len, tables, max_blocks, block_size: self.block_size }
     }
 
+    /// Writes the new latents `[N, r + rope]` of every span (rows `span.row..span.row + span.len`) into layer
+    /// `layer`: on CUDA one in-place scatter launch for all of them, elsewhere [`Self::write`] per span.
+    pub fn write_spans(&mut self, layer: usize, spans: &[SeqSpan<'_>], latents: Tensor<B, 2>) {
+        #[cfg(feature = "cuda")]
+        {
+            let mut slots = vec![0u32; latents.dims()[0]];
+            let mut covered = 0;
+            for span in spans {
+                for j in 0..span.len {
+                    if let Some(s) = slots.get_mut(span.row + j) {
+                        *s = self.slot(span.seq, span.start + j) as u32;
+                        covered += 1;
+                    }
+                }
+            }
+            if covered == slots.len() && crate::cuda_ops::write_rows(&self.pools[layer], latents.clone(), &slots) {
+                return;
+            }
+        }
+        for span in spans {
+            self.write(layer, span.seq, span.start, latents.clone().narrow(0, span.row, span.len));
+        }
+    }
+
     /// The latents of layer `layer` for positions `0..len`, `[len, r + rope]`.
     pub fn read(&self, layer: usize, seq: &SequenceCache, len: usize) -> Tensor<B, 2> {
         let pool = &self.pools[layer];
@@ -254,9 +278,7 @@ impl<B: Backend> Mla<B> {
         let c_kv = self.kv_a_layernorm.forward(kv_a.clone().narrow(1, 0, r));
         let k_pe = rope.apply(kv_a.narrow(1, r, rot).reshape([1, 1, n, rot]), tables).reshape([n, rot]);
         let latents = Tensor::cat(vec![c_kv, k_pe], 1);
-        for span in spans {
-            cache.write(layer, span.seq, span.start, latents.clone().narrow(0, span.row, span.len));
-        }
+        cache.write_spans(layer, spans, latents);
 
         // kv_b_proj.weight [H*(nope+vd), r] -> [H, nope+vd, r]
         let w_kv_b = self.kv_b_proj.weight.clone().cast(burn::tensor::FloatDType::F32).reshape([h, nope + vd, r]);

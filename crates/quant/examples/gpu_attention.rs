@@ -23,7 +23,7 @@ use anyhow::{Result, bail};
 use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
-use eyrie_quant::cuda::attention::{AttentionConfig, PagedRows, mla_attention, mla_attention_reference};
+use eyrie_quant::cuda::attention::{AttentionConfig, PagedRows, mla_attention, mla_attention_reference, write_rows};
 use eyrie_quant::cuda::copy_f32;
 
 type R = CudaRuntime;
@@ -193,6 +193,27 @@ fn main() -> Result<()> {
     ];
     let mut check_json = Vec::new();
     let mut failed = false;
+
+    // The cache write: rows scattered into a pool in place, bit for bit.
+    let (pool_rows, width, n) = (4096usize, 576usize, 37usize);
+    let pool0 = values(&mut rng, pool_rows * width, 1.0);
+    let new_rows = values(&mut rng, n * width, 1.0);
+    let slots: Vec<u32> = (0..n).map(|i| ((i * 997 + 13) % pool_rows) as u32).collect();
+    let pool_dev = client.create_from_slice(f32::as_bytes(&pool0));
+    let rows_dev = client.create_from_slice(f32::as_bytes(&new_rows));
+    write_rows(&client, &rows_dev, &slots, &pool_dev, pool_rows, width).map_err(anyhow::Error::msg)?;
+    let got = f32::from_bytes(&client.read_one(pool_dev).map_err(|e| anyhow::anyhow!("read: {e:?}"))?).to_vec();
+    let mut want = pool0;
+    for (i, &s) in slots.iter().enumerate() {
+        want[s as usize * width..][..width].copy_from_slice(&new_rows[i * width..][..width]);
+    }
+    let write_ok = got == want;
+    failed |= !write_ok;
+    println!(
+        "| cache write | - | {width} | - | {n} rows into {pool_rows} | write_rows | {} |",
+        if write_ok { "exact ok" } else { "FAIL" }
+    );
+    check_json.push(serde_json::json!({"case": "write_rows", "rows": n, "pool_rows": pool_rows, "ok": write_ok}));
     for case in &cases {
         failed |= !check(&client, &mut rng, case, &mut check_json)?;
     }

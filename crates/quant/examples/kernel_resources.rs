@@ -1,4 +1,4 @@
-//! Registers, shared memory and spills of every fused-MoE kernel specialisation for a CUDA architecture, without a
+//! Registers, shared memory and spills of every kernel specialisation (fused MoE, MLA attention, BF16 GEMV) for a CUDA architecture, without a
 //! GPU: each specialisation's CUDA C++ (`eyrie_quant::cuda::offline`, CubeCL's own code generator) is compiled by
 //! NVRTC for the architecture with `--ptxas-options=-v`, and ptxas's report is checked against the architecture's
 //! per-block limits. `cargo xtask kernels` finds NVRTC and the CUDA headers and runs this.
@@ -18,7 +18,7 @@ use anyhow::{Context, Result, bail};
 use eyrie_quant::cuda::MoeShape;
 use eyrie_quant::cuda::offline::{CudaKernelSource, cuda_source};
 use eyrie_quant::cuda::resources::{Arch, BlockNeeds, PtxasUsage, check_limits, log_errors, parse_ptxas_log};
-use eyrie_quant::cuda::specs::{KernelSpec, moe_kernel_specs};
+use eyrie_quant::cuda::specs::{KIMI_DENSE_K, KIMI_MLA, KernelSpec, attention_and_dense_specs, moe_kernel_specs};
 use serde_json::json;
 
 const KIMI: MoeShape = MoeShape { hidden: 7168, inter: 2048, experts: 384, group: 32 };
@@ -174,8 +174,13 @@ fn main() -> Result<()> {
     );
 
     let mut rows = Vec::new();
-    // The launches the launcher makes on this architecture (4-token passes capped where they do not fit).
-    for spec in moe_kernel_specs(&args.shape, args.topk, args.arch.max_shared_per_block()) {
+    // The launches the launchers make on this architecture: the MoE's (4-token passes capped where they do not
+    // fit), the MLA attention's (warps that fit) and the dense GEMV's at Kimi-K2's widths.
+    let limit = args.arch.max_shared_per_block();
+    let (r, rot) = KIMI_MLA;
+    let mut specs = moe_kernel_specs(&args.shape, args.topk, limit);
+    specs.extend(attention_and_dense_specs(r, rot, &KIMI_DENSE_K, limit));
+    for spec in specs {
         let src = cuda_source(&spec, args.arch, cuda_version).map_err(anyhow::Error::msg)?;
         if let Some(dir) = &args.dump {
             std::fs::create_dir_all(dir)?;
@@ -268,6 +273,11 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     json!({"hidden": hidden, "topk": topk, "address": format!("{address:?}")})
                 }
                 KernelSpec::Copy => json!({}),
+                KernelSpec::MlaAttention { r, rot, warps } => json!({"r": r, "rot": rot, "warps": warps}),
+                KernelSpec::MlaCombine { r } => json!({"r": r}),
+                KernelSpec::Gemv { k, cfg } => {
+                    json!({"k": k, "warps": cfg.warps, "rows_at_once": cfg.rows_at_once, "tb": cfg.tb})
+                }
             };
             json!({
                 "entry": r.src.entry,

@@ -8,14 +8,16 @@
 //!
 //! Position `t` of a sequence lives in cache row `table[seq][t / block_size] * block_size + t % block_size`.
 //!
-//! Work split (flash decoding): grid `(splits, rows, head groups)`. A block of `warps` warps owns one query row,
-//! `8 * warps` heads (8 per warp) and one slice of the row's positions, which it walks in tiles of 32: the tile's
-//! latents are gathered from the page table into shared memory (each latent read once for all the block's heads),
-//! lane `t` scores key `t` against the warp's 8 heads (queries in shared memory, 8 heads per two 16-byte
-//! broadcasts), an online softmax keeps each head's running max and sum, and each lane accumulates its share of
-//! the value dimensions (`lane + 32 j`; `r` must be a multiple of 32) for the warp's 8 heads in registers. Slices of one row are merged by
-//! [`mla_combine_kernel`] (log-sum-exp weights) when the row was split; with one slice the block writes the
-//! normalized output itself.
+//! Work split (flash decoding): grid `(splits, rows, head groups)`. A block of `warps` warps (up to 8) owns one
+//! query row, `8 * warps` heads (8 per warp) and one slice of the row's positions, which it walks in tiles of 32:
+//! the tile's cache rows are looked up in the page table while the previous tile is being scored, its latents are
+//! gathered into shared memory with 16-byte loads all in flight together (each latent read once for all the
+//! block's heads), lane `t` scores key `t` against the warp's 8 heads (queries in shared memory as vectors of 4
+//! heads, broadcast), an online softmax keeps each head's running max and sum, and each lane accumulates its
+//! value vectors (`lane + 32 j`, `r` a multiple of 32) for the warp's 8 heads in registers. Slices of one row are
+//! merged by [`mla_combine_kernel`] (log-sum-exp weights) when the row was split; with one slice the block writes
+//! the normalized output itself. The arithmetic is f32 on the CUDA cores (no tensor cores: TF32 or BF16 operands
+//! would round the queries and latents), which bounds it by compute, not bandwidth (bench/REPORT.md).
 //!
 //! The CPU reference is [`mla_attention_reference`] (f64), always built and tested in CI.
 
@@ -130,16 +132,16 @@ pub fn mla_attention_reference(
 }
 
 /// Shared memory of one block of [`gpu::mla_attention_kernel`] with `warps` warps and latents of width `d`:
-/// the block's queries (`8 warps` heads x `d`), one tile of 32 latents (rows padded by one word against bank
-/// conflicts) and each warp's 32 x 8 softmax weights.
+/// the block's queries (`8 warps` heads x `d`), one tile of 32 latents (rows padded by one 16-byte vector against
+/// bank conflicts), each warp's 32 x 8 softmax weights and the tile's 32 cache rows.
 pub fn attention_shared_bytes(d: usize, warps: usize) -> usize {
-    4 * (d * 8 * warps + 32 * (d + 1) + warps * 32 * 8)
+    4 * (d * 8 * warps + 32 * (d / 4 + 1) * 4 + warps * 32 * 8 + 32)
 }
 
 /// Launch shape of the attention: warps per block (8 heads each) and slices per query row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionConfig {
-    /// Warps per block: 1 to 4; 8 heads each.
+    /// Warps per block: 1 to 8; 8 heads each.
     pub warps: usize,
     /// Slices of each row's positions (each a multiple of 32 positions), merged by the combine kernel.
     pub splits: usize,
@@ -150,10 +152,11 @@ pub struct AttentionConfig {
 impl AttentionConfig {
     /// The shape for `rows` query rows of `heads` heads over at most `max_len` positions, latents of width `d`, on
     /// a device with `sms` multiprocessors and `smem` bytes of shared memory per block: as many warps as the
-    /// heads fill (at most 4) and the shared memory allows, then enough slices to give every multiprocessor about
-    /// two blocks.
+    /// heads fill (at most 8: all 64 of Kimi's heads read each latent tile once) and the shared memory allows, then
+    /// enough slices to give every multiprocessor about two blocks, each slice at least 128 positions (a block
+    /// loads its queries once: 147 KB for 64 heads).
     pub fn new(rows: usize, heads: usize, max_len: usize, d: usize, sms: usize, smem: usize) -> Option<Self> {
-        let mut warps = heads.div_ceil(8).clamp(1, 4);
+        let mut warps = heads.div_ceil(8).clamp(1, 8);
         while warps > 1 && attention_shared_bytes(d, warps) > smem {
             warps -= 1;
         }
@@ -162,14 +165,14 @@ impl AttentionConfig {
         }
         let blocks = rows * heads.div_ceil(8 * warps);
         let tiles = max_len.div_ceil(32);
-        let want = (2 * sms).div_ceil(blocks).clamp(1, tiles);
+        let want = (2 * sms).div_ceil(blocks).clamp(1, tiles.div_ceil(4));
         let chunk = tiles.div_ceil(want) * 32;
         Some(Self { warps, splits: max_len.div_ceil(chunk), chunk })
     }
 }
 
 #[cfg(feature = "cuda")]
-pub use gpu::{mla_attention, mla_attention_kernel, mla_combine_kernel};
+pub use gpu::{mla_attention, mla_attention_kernel, mla_combine_kernel, write_rows, write_rows_kernel};
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -186,7 +189,7 @@ mod gpu {
         q: &Array<f32>,
         cache: &Array<Vector<f32, N>>,
         meta: &Array<u32>,
-        o_part: &mut Array<f32>,
+        o_part: &mut Array<Vector<f32, N>>,
         ml_part: &mut Array<f32>,
         n_rows: u32,
         heads: u32,
@@ -207,10 +210,13 @@ mod gpu {
         let heads = heads as usize;
         let bs = block_size as usize;
         let d = comptime!(r + rot);
+        // 4-float vectors per latent, per latent row in shared memory (one vector of padding: the score loop's
+        // 16-byte loads of 32 different rows are then free of bank conflicts), value vectors per lane.
         let dv = comptime!((r + rot) / 4);
-        let kst = comptime!(r + rot + 1);
+        let kstv = comptime!((r + rot) / 4 + 1);
         let hq = comptime!(2 * warps);
-        let rj = comptime!(r.div_ceil(32));
+        let rjv = comptime!(r.div_ceil(128));
+        let full = comptime!(r.is_multiple_of(128));
         let threads = comptime!(32 * warps);
         let h0 = CUBE_POS_Z as usize * comptime!(8 * warps);
 
@@ -222,9 +228,13 @@ mod gpu {
         if k_end > len {
             k_end = len;
         }
+        if k_end < k_begin {
+            k_end = k_begin;
+        }
 
         // Queries of the block's heads, [d][heads / 4] vectors of 4 heads; heads past the end are 0.
         let mut qs = SharedMemory::<Vector<f32, N>>::new(comptime!((r + rot) * 2 * warps));
+        #[unroll]
         for it in 0..comptime!(((r + rot) * 2 * warps).div_ceil(32 * warps)) {
             let i = it * threads + tid;
             if i < comptime!((r + rot) * 2 * warps) {
@@ -243,12 +253,13 @@ mod gpu {
                 qs[c * hq + g] = v;
             }
         }
-        let mut ks = SharedMemory::<f32>::new(comptime!(32 * (r + rot + 1)));
+        let mut ks = SharedMemory::<Vector<f32, N>>::new(comptime!(32 * ((r + rot) / 4 + 1)));
         let mut ps = SharedMemory::<Vector<f32, N>>::new(comptime!(warps * 64));
+        let mut slots = SharedMemory::<u32>::new(32usize);
 
-        let mut acc = Array::<f32>::new(comptime!(8 * r.div_ceil(32)));
+        let mut acc = Array::<f32>::new(comptime!(32 * r.div_ceil(128)));
         #[unroll]
-        for a in 0..comptime!(8 * r.div_ceil(32)) {
+        for a in 0..comptime!(32 * r.div_ceil(128)) {
             acc[a] = f32::new(0.0);
         }
         let mut m = Array::<f32>::new(8usize);
@@ -261,34 +272,49 @@ mod gpu {
             l[h] = f32::new(0.0);
         }
 
-        if k_end < k_begin {
-            k_end = k_begin;
+        // The cache row of the first tile's position `tid` (threads < 32); later tiles' rows are fetched while the
+        // current tile is scored, so the page-table read is off the critical path.
+        let mut next_slot = 0u32;
+        if tid < 32 {
+            let pos = k_begin + tid;
+            if pos < k_end {
+                next_slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
+            }
         }
         let n_tiles = (k_end - k_begin + 31) / 32;
         for tile in 0..n_tiles {
             let t0 = k_begin + tile * 32;
             // The previous tile's readers are done (and, the first time, the queries are in place).
             sync_cube();
-            for it in 0..comptime!((32 * (r + rot) / 4).div_ceil(32 * warps)) {
-                let i = it * threads + tid;
-                if i < comptime!(32 * (r + rot) / 4) {
-                    let key = i / dv;
-                    let c4 = i % dv;
-                    let pos = t0 + key;
-                    let mut v = Vector::<f32, N>::empty();
-                    v[0] = f32::new(0.0);
-                    v[1] = f32::new(0.0);
-                    v[2] = f32::new(0.0);
-                    v[3] = f32::new(0.0);
-                    if pos < k_end {
-                        let block = meta[table0 + pos / bs] as usize;
-                        v = cache[(block * bs + pos % bs) * dv + c4];
+            if tid < 32 {
+                slots[tid] = next_slot;
+            }
+            sync_cube();
+            // A thread's loads are independent and unrolled in batches of 9, so 9 are in flight together (all of
+            // them at 8 warps; more would spill registers, the output accumulators hold 128).
+            for ob in 0..comptime!((32 * (r + rot) / 4).div_ceil(32 * warps).div_ceil(9)) {
+                #[unroll]
+                for ib in 0..9usize {
+                    let i = (ob * 9 + ib) * threads + tid;
+                    if i < comptime!(32 * (r + rot) / 4) {
+                        let key = i / dv;
+                        let c4 = i % dv;
+                        let mut v = Vector::<f32, N>::empty();
+                        v[0] = f32::new(0.0);
+                        v[1] = f32::new(0.0);
+                        v[2] = f32::new(0.0);
+                        v[3] = f32::new(0.0);
+                        if t0 + key < k_end {
+                            v = cache[slots[key] as usize * dv + c4];
+                        }
+                        ks[key * kstv + c4] = v;
                     }
-                    let base = key * kst + c4 * 4;
-                    ks[base] = v[0];
-                    ks[base + 1] = v[1];
-                    ks[base + 2] = v[2];
-                    ks[base + 3] = v[3];
+                }
+            }
+            if tid < 32 {
+                let pos = t0 + 32 + tid;
+                if pos < k_end {
+                    next_slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
                 }
             }
             sync_cube();
@@ -298,18 +324,22 @@ mod gpu {
             for h in 0..8usize {
                 s[h] = f32::new(0.0);
             }
-            for c in 0..d {
-                let kv = ks[lane * kst + c];
-                let qa = qs[c * hq + 2 * warp];
-                let qb = qs[c * hq + 2 * warp + 1];
-                s[0usize] += qa[0] * kv;
-                s[1usize] += qa[1] * kv;
-                s[2usize] += qa[2] * kv;
-                s[3usize] += qa[3] * kv;
-                s[4usize] += qb[0] * kv;
-                s[5usize] += qb[1] * kv;
-                s[6usize] += qb[2] * kv;
-                s[7usize] += qb[3] * kv;
+            for c4 in 0..dv {
+                let kv = ks[lane * kstv + c4];
+                #[unroll]
+                for e in 0..4usize {
+                    let qa = qs[(4 * c4 + e) * hq + 2 * warp];
+                    let qb = qs[(4 * c4 + e) * hq + 2 * warp + 1];
+                    let k = kv[e];
+                    s[0usize] += qa[0] * k;
+                    s[1usize] += qa[1] * k;
+                    s[2usize] += qa[2] * k;
+                    s[3usize] += qa[3] * k;
+                    s[4usize] += qb[0] * k;
+                    s[5usize] += qb[1] * k;
+                    s[6usize] += qb[2] * k;
+                    s[7usize] += qb[3] * k;
+                }
             }
             let valid = t0 + lane < k_end;
             #[unroll]
@@ -328,8 +358,8 @@ mod gpu {
                 m[h] = m_new;
                 p[h] = pv;
                 #[unroll]
-                for j in 0..rj {
-                    acc[h * rj + j] *= alpha;
+                for j in 0..comptime!(4 * r.div_ceil(128)) {
+                    acc[h * comptime!(4 * r.div_ceil(128)) + j] *= alpha;
                 }
             }
             let mut pa = Vector::<f32, N>::empty();
@@ -346,21 +376,38 @@ mod gpu {
             ps[(warp * 32 + lane) * 2 + 1] = pb;
             sync_plane();
 
-            // Lane = value dimensions lane + 32 j: accumulate every key of the tile for the warp's 8 heads.
+            // Lane = value vectors lane + 32 j (dimensions 4 (lane + 32 j) ..+4): every key of the tile for the
+            // warp's 8 heads.
             for t in 0..32usize {
                 let wa = ps[(warp * 32 + t) * 2];
                 let wb = ps[(warp * 32 + t) * 2 + 1];
                 #[unroll]
-                for j in 0..rj {
-                    let v = ks[t * kst + j * 32 + lane];
-                    acc[j] += wa[0] * v;
-                    acc[rj + j] += wa[1] * v;
-                    acc[2 * rj + j] += wa[2] * v;
-                    acc[3 * rj + j] += wa[3] * v;
-                    acc[4 * rj + j] += wb[0] * v;
-                    acc[5 * rj + j] += wb[1] * v;
-                    acc[6 * rj + j] += wb[2] * v;
-                    acc[7 * rj + j] += wb[3] * v;
+                for j in 0..rjv {
+                    let mut v = Vector::<f32, N>::empty();
+                    if full {
+                        v = ks[t * kstv + lane + 32 * j];
+                    } else {
+                        v[0] = f32::new(0.0);
+                        v[1] = f32::new(0.0);
+                        v[2] = f32::new(0.0);
+                        v[3] = f32::new(0.0);
+                        if lane + 32 * j < comptime!(r / 4) {
+                            v = ks[t * kstv + lane + 32 * j];
+                        }
+                    }
+                    #[unroll]
+                    for e in 0..4usize {
+                        let a = 4 * j + e;
+                        let hs = comptime!(4 * r.div_ceil(128));
+                        acc[a] += wa[0] * v[e];
+                        acc[hs + a] += wa[1] * v[e];
+                        acc[2 * hs + a] += wa[2] * v[e];
+                        acc[3 * hs + a] += wa[3] * v[e];
+                        acc[4 * hs + a] += wb[0] * v[e];
+                        acc[5 * hs + a] += wb[1] * v[e];
+                        acc[6 * hs + a] += wb[2] * v[e];
+                        acc[7 * hs + a] += wb[3] * v[e];
+                    }
                 }
             }
         }
@@ -375,8 +422,16 @@ mod gpu {
                     inv = f32::new(1.0) / l[h];
                 }
                 #[unroll]
-                for j in 0..rj {
-                    o_part[(base + head) * r + j * 32 + lane] = acc[h * rj + j] * inv;
+                for j in 0..rjv {
+                    if lane + 32 * j < comptime!(r / 4) {
+                        let a = h * comptime!(4 * r.div_ceil(128)) + 4 * j;
+                        let mut o = Vector::<f32, N>::empty();
+                        o[0] = acc[a] * inv;
+                        o[1] = acc[a + 1] * inv;
+                        o[2] = acc[a + 2] * inv;
+                        o[3] = acc[a + 3] * inv;
+                        o_part[(base + head) * comptime!(r / 4) + lane + 32 * j] = o;
+                    }
                 }
                 if lane == 0 {
                     ml_part[(base + head) * 2] = m[h];
@@ -432,6 +487,74 @@ mod gpu {
         }
     }
 
+    /// `pool[slots[i]] = rows[i]` for each row `i` (`CUBE_POS_X`), 4-float vectors: the new latents of a step
+    /// written into their cache rows in place, one launch for every sequence of the step.
+    #[cube(launch_unchecked, address_type = "dynamic")]
+    #[allow(clippy::manual_div_ceil)]
+    pub fn write_rows_kernel<N: Size>(
+        rows: &Array<Vector<f32, N>>,
+        slots: &Array<u32>,
+        pool: &mut Array<Vector<f32, N>>,
+        #[comptime] width: usize,
+    ) {
+        let i = CUBE_POS_X as usize;
+        let wv = comptime!(width / 4);
+        let slot = slots[i] as usize;
+        for it in 0..comptime!((width / 4).div_ceil(128)) {
+            let v = it * 128 + UNIT_POS as usize;
+            if v < wv {
+                pool[slot * wv + v] = rows[i * wv + v];
+            }
+        }
+    }
+
+    /// Writes `rows` `[n, width]` f32 into rows `slots` of `pool` `[pool_rows, width]` f32, in place (the buffer
+    /// is written whoever else holds it). `width` a multiple of 4.
+    ///
+    /// # Errors
+    /// A message naming the parameter when a size does not fit or a slot lies outside the pool (nothing is
+    /// launched then).
+    pub fn write_rows<R: Runtime>(
+        client: &ComputeClient<R>,
+        rows: &Handle,
+        slots: &[u32],
+        pool: &Handle,
+        pool_rows: usize,
+        width: usize,
+    ) -> Result<(), String> {
+        let n = slots.len();
+        if n == 0 {
+            return Ok(());
+        }
+        if !width.is_multiple_of(4) {
+            return Err(format!("write_rows: width {width} is not a multiple of 4"));
+        }
+        if let Some((i, s)) = slots.iter().enumerate().find(|(_, s)| **s as usize >= pool_rows) {
+            return Err(format!("write_rows: slot {s} of row {i} lies outside the pool's {pool_rows} rows"));
+        }
+        for (name, h, bytes) in [("rows", rows, n * width * 4), ("pool", pool, pool_rows * width * 4)] {
+            if (h.size_in_used() as usize) < bytes {
+                return Err(format!("write_rows: {name} holds {} bytes, needs {bytes}", h.size_in_used()));
+            }
+        }
+        let slots_dev = client.create_from_slice(u32::as_bytes(slots));
+        // SAFETY: sizes and slots checked above; block i reads row i and writes row slots[i] < pool_rows.
+        unsafe {
+            write_rows_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(n as u32, 1, 1),
+                CubeDim::new_1d(128),
+                AddressType::from_len(pool_rows * width),
+                4,
+                ArrayArg::from_raw_parts(rows.clone(), n * width / 4),
+                ArrayArg::from_raw_parts(slots_dev, n),
+                ArrayArg::from_raw_parts(pool.clone(), pool_rows * width / 4),
+                width,
+            );
+        }
+        Ok(())
+    }
+
     /// `out` `[rows, heads, r]` f32 = the attention of every query row (module docs of
     /// `eyrie_quant::cuda::attention`): `q` `[rows, heads, r + rot]` f32, `cache` `[slots, r + rot]` f32, `meta`
     /// the u32 buffer of [`PagedRows::packed`] for `rows`. Two launches when rows are split, one otherwise.
@@ -462,7 +585,7 @@ mod gpu {
                  and rot of 4"
             ));
         }
-        if !(1..=4).contains(&cfg.warps) || cfg.splits == 0 || cfg.chunk == 0 || !cfg.chunk.is_multiple_of(32) {
+        if !(1..=8).contains(&cfg.warps) || cfg.splits == 0 || cfg.chunk == 0 || !cfg.chunk.is_multiple_of(32) {
             return Err(format!("mla_attention: launch shape {cfg:?}"));
         }
         rows.validate(slots).map_err(|e| format!("mla_attention: {e}"))?;
@@ -507,7 +630,7 @@ mod gpu {
                 ArrayArg::from_raw_parts(q.clone(), n * heads * d),
                 ArrayArg::from_raw_parts(cache.clone(), slots * d / 4),
                 ArrayArg::from_raw_parts(meta.clone(), meta_len),
-                ArrayArg::from_raw_parts(o_part.clone(), o_len),
+                ArrayArg::from_raw_parts(o_part.clone(), o_len / 4),
                 ArrayArg::from_raw_parts(ml_part.clone(), cfg.splits * pairs * 2),
                 n as u32,
                 heads as u32,
@@ -604,9 +727,11 @@ mod tests {
     #[test]
     fn config_fits_shared_memory_and_covers_the_positions() {
         let c = AttentionConfig::new(8, 64, 8192, 576, 132, 227 * 1024).unwrap();
-        assert_eq!(c.warps, 4);
+        assert_eq!(c.warps, 8);
         assert!(c.splits * c.chunk >= 8192 && c.chunk.is_multiple_of(32));
-        assert!(8 * 2 * c.splits >= 132, "every multiprocessor gets a block: {c:?}");
+        assert!(8 * c.splits >= 132, "every multiprocessor gets a block: {c:?}");
+        // Short contexts: slices of at least 128 positions.
+        assert!(AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024).unwrap().chunk >= 128);
         // SM120: 99 KiB per block allows one warp (8 heads) with a 576-wide latent tile.
         let c = AttentionConfig::new(1, 64, 1000, 576, 188, 99 * 1024).unwrap();
         assert_eq!(c.warps, 1);

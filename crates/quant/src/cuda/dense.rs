@@ -29,7 +29,7 @@ pub fn gemv_reference(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize
 }
 
 #[cfg(feature = "cuda")]
-pub use gpu::{GemvConfig, gemv_bf16};
+pub use gpu::{GemvConfig, gemv_bf16, gemv_bf16_kernel};
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -38,7 +38,7 @@ mod gpu {
     use cubecl::server::Handle;
 
     /// Launch shape of [`gemv_bf16`] (kernel specialisations).
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub struct GemvConfig {
         /// Warps per block.
         pub warps: usize,

@@ -17,6 +17,8 @@ use cubecl::{Compiler, ExecutionMode};
 use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
 use half::bf16;
 
+use super::attention::{mla_attention_kernel, mla_combine_kernel};
+use super::dense::gemv_bf16_kernel;
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::resources::Arch;
 use super::specs::{Act, ExpertRowsSpec, KernelSpec};
@@ -166,6 +168,85 @@ fn define_copy(props: &DeviceProperties) -> KernelDefinition {
     b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
 }
 
+fn define_mla_attention(r: usize, rot: usize, warps: usize, props: &DeviceProperties) -> KernelDefinition {
+    use mla_attention_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let q = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
+    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
+    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    mla_attention_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        q,
+        cache,
+        meta,
+        o_part,
+        ml_part,
+        n_rows,
+        heads,
+        max_blocks,
+        block_size,
+        chunk,
+        scale,
+        r,
+        rot,
+        warps,
+    );
+    let name = format!("mla_attention_kernel_n_{VEC}");
+    b.build(
+        KernelSettings::default().cube_dim(CubeDim::new_2d(32, warps as u32)).address_type(address).kernel_name(name),
+    )
+}
+
+fn define_mla_combine(r: usize, props: &DeviceProperties) -> KernelDefinition {
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    let a = ARRAY;
+    let o_part = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let pairs = <u32 as LaunchArg>::expand(&(), &mut b);
+    let splits = <u32 as LaunchArg>::expand(&(), &mut b);
+    mla_combine_kernel::expand(&mut b.scope, o_part, ml_part, out, pairs, splits, r);
+    b.build(
+        KernelSettings::default()
+            .cube_dim(CubeDim::new_1d(128))
+            .address_type(address)
+            .kernel_name("mla_combine_kernel"),
+    )
+}
+
+fn define_gemv(k: usize, cfg: &super::dense::GemvConfig, props: &DeviceProperties) -> KernelDefinition {
+    use gemv_bf16_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let x = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let w = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let tokens = <u32 as LaunchArg>::expand(&(), &mut b);
+    let rows = <u32 as LaunchArg>::expand(&(), &mut b);
+    gemv_bf16_kernel::expand::<N>(&mut b.scope, VEC, x, w, out, tokens, rows, k, cfg.rows_at_once, cfg.tb, cfg.warps);
+    let name = format!("gemv_bf16_kernel_n_{VEC}");
+    b.build(
+        KernelSettings::default()
+            .cube_dim(CubeDim::new_2d(32, cfg.warps as u32))
+            .address_type(address)
+            .kernel_name(name),
+    )
+}
+
 /// Compiles `spec` to CUDA C++ for `arch`, as cubecl-cuda would on a device of that architecture with CUDA
 /// bindings of version `cuda_version` (unchecked launches, as the launcher's).
 pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<CudaKernelSource, String> {
@@ -174,6 +255,11 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::ExpertRows { act, spec } => (define_expert_rows(*act, spec, &props), spec.address),
         KernelSpec::Combine { hidden, topk, address } => (define_combine(*hidden, *topk, *address, &props), *address),
         KernelSpec::Copy => (define_copy(&props), AddressType::U32),
+        KernelSpec::MlaAttention { r, rot, warps } => {
+            (define_mla_attention(*r, *rot, *warps, &props), AddressType::U32)
+        }
+        KernelSpec::MlaCombine { r } => (define_mla_combine(*r, &props), AddressType::U32),
+        KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),
     };
     let entry = def.options.kernel_name.clone();
     let dim = def.cube_dim;

@@ -186,6 +186,27 @@ pub enum KernelSpec {
     },
     /// `copy_kernel` (the bandwidth ceiling beside the benchmarks).
     Copy,
+    /// `attention::mla_attention_kernel` (MLA over the paged latent cache).
+    MlaAttention {
+        /// Latent rank (value width).
+        r: usize,
+        /// Rotary width.
+        rot: usize,
+        /// Warps per block (8 heads each).
+        warps: usize,
+    },
+    /// `attention::mla_combine_kernel` (merge of a row's slices).
+    MlaCombine {
+        /// Latent rank (value width).
+        r: usize,
+    },
+    /// `dense::gemv_bf16_kernel` (BF16-weight GEMV).
+    Gemv {
+        /// Input width.
+        k: usize,
+        /// Launch shape.
+        cfg: crate::cuda::dense::GemvConfig,
+    },
 }
 
 impl KernelSpec {
@@ -194,6 +215,9 @@ impl KernelSpec {
         match self {
             Self::ExpertRows { spec, .. } => spec.cube_dim(),
             Self::Combine { .. } | Self::Copy => CubeDim::new_1d(256),
+            Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
+            Self::MlaCombine { .. } => CubeDim::new_1d(128),
+            Self::Gemv { cfg, .. } => CubeDim::new_2d(32, cfg.warps as u32),
         }
     }
 
@@ -203,6 +227,11 @@ impl KernelSpec {
             Self::ExpertRows { act, spec } => spec.label(*act),
             Self::Combine { hidden, topk, .. } => format!("combine hidden{hidden} topk{topk}"),
             Self::Copy => "copy f32x4".into(),
+            Self::MlaAttention { r, rot, warps } => format!("mla_attention r{r} rot{rot} warps{warps}"),
+            Self::MlaCombine { r } => format!("mla_combine r{r}"),
+            Self::Gemv { k, cfg } => {
+                format!("gemv_bf16 k{k} warps{} rows{} tb{}", cfg.warps, cfg.rows_at_once, cfg.tb)
+            }
         }
     }
 }
@@ -231,6 +260,40 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec
     out
 }
 
+/// Kimi-K2's MLA latent: rank 512, rotary 64.
+pub const KIMI_MLA: (usize, usize) = (512, 64);
+
+/// Kimi-K2's dense Linear input widths (hidden, q_lora, kv_lora, heads x v_head, shared-expert and dense-MLP
+/// inner widths).
+pub const KIMI_DENSE_K: [usize; 6] = [7168, 1536, 512, 8192, 2048, 18432];
+
+/// Every attention specialisation the launcher can issue for latents of `r + rot` on a device of `smem_limit`
+/// bytes of shared memory a block (1 to 8 warps, as the heads of a tensor-parallel rank fill them), and the
+/// combine; then every GEMV specialisation for inputs of the widths `ks` (all token-pass widths and the block
+/// shapes `GemvConfig::for_shape` picks).
+pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit: usize) -> Vec<KernelSpec> {
+    use crate::cuda::attention::attention_shared_bytes;
+    use crate::cuda::dense::GemvConfig;
+    let mut out = Vec::new();
+    for warps in 1..=8 {
+        if attention_shared_bytes(r + rot, warps) <= smem_limit {
+            out.push(KernelSpec::MlaAttention { r, rot, warps });
+        }
+    }
+    out.push(KernelSpec::MlaCombine { r });
+    for &k in ks {
+        for n in 1..=16 {
+            for rows in [384, 576, 1536, 16384] {
+                let spec = KernelSpec::Gemv { k, cfg: GemvConfig::for_shape(n, rows, 264) };
+                if !out.contains(&spec) {
+                    out.push(spec);
+                }
+            }
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,6 +317,16 @@ mod tests {
             }
         }
         assert!(capped > 0, "4-token passes of a 7168-wide input need 126 KiB: some shape must be capped");
+    }
+
+    #[test]
+    fn attention_specs_fit_the_device() {
+        let h200 = attention_and_dense_specs(512, 64, &[7168], 232_448);
+        assert!(h200.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 8 }));
+        let sm120 = attention_and_dense_specs(512, 64, &[7168], 101_376);
+        assert!(sm120.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 1 }));
+        assert!(!sm120.iter().any(|s| matches!(s, KernelSpec::MlaAttention { warps: 2.., .. })));
+        assert!(sm120.iter().filter(|s| matches!(s, KernelSpec::Gemv { .. })).count() >= 4);
     }
 
     #[test]
