@@ -2,11 +2,12 @@
 //! with the `cuda` feature (CubeCL loads the CUDA driver and NVRTC at run time, so no CUDA is needed to build) and
 //! run on a machine with an NVIDIA GPU.
 //!
-//! - `cargo xtask gpu-test`: builds `.device-kern/{gpu_kernels, gpu_gemv, gpu_ops}` (stripped) and runs the three
-//!   GPU checks when this machine has a GPU; otherwise compresses them and prints the command to run on the device
+//! - `cargo xtask gpu-test`: builds `.device-kern/{gpu_kernels, gpu_gemv, gpu_ops, gpu_attention}` (stripped) and
+//!   runs the four GPU checks when this machine has a GPU; otherwise compresses them and prints the command to run on the device
 //!   machine (carrying `.device-kern`).
-//! - `cargo xtask bench kernels`: same build, then the benchmark and its torch peers in one run, writing
-//!   `bench/kernels.json` and `bench/kernels_peer.json` and printing the side-by-side table.
+//! - `cargo xtask bench kernels`: same build, then the MoE and MLA-attention benchmarks and their torch peers in one
+//!   run, writing `bench/kernels.json`, `bench/kernels_peer.json`, `bench/attention.json` and
+//!   `bench/attention_peer.json` and printing the tables.
 
 use std::path::Path;
 use std::process::Command;
@@ -32,24 +33,21 @@ fn carry_dir(root: &Path, name: &str) -> Result<std::path::PathBuf> {
     Ok(dir)
 }
 
-/// Builds the stripped release `gpu_kernels` into `.device-kern/`.
+/// Builds the stripped release `gpu_kernels` and `gpu_attention` (eyrie-quant's kernel programs) into
+/// `.device-kern/`.
 pub fn bundle(root: &Path) -> Result<()> {
     let dir = carry_dir(root, DIR)?;
-    run(cargo().args([
-        "build",
-        "--release",
-        "--locked",
-        "--package",
-        "eyrie-quant",
-        "--features",
-        "cuda",
-        "--example",
-        "gpu_kernels",
-    ]))?;
     let target = std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), Into::into);
-    let bin = dir.join("gpu_kernels");
-    std::fs::copy(target.join("release/examples/gpu_kernels"), &bin).context("copying gpu_kernels")?;
-    run(Command::new("strip").arg(&bin))
+    for example in ["gpu_kernels", "gpu_attention"] {
+        run(cargo()
+            .args(["build", "--release", "--locked", "--package", "eyrie-quant", "--features", "cuda", "--example"])
+            .arg(example))?;
+        let bin = dir.join(example);
+        std::fs::copy(target.join("release/examples").join(example), &bin)
+            .with_context(|| format!("copying {example}"))?;
+        run(Command::new("strip").arg(&bin))?;
+    }
+    Ok(())
 }
 
 /// True when an NVIDIA GPU answers here.
@@ -58,10 +56,12 @@ fn has_gpu() -> bool {
 }
 
 /// The GPU checks of `cargo xtask gpu-test`: program and arguments, each exiting 1 on a mismatch.
-const CHECKS: [(&str, &str); 3] = [("gpu_kernels", "check"), ("gpu_gemv", ""), ("gpu_ops", "")];
+const CHECKS: [(&str, &str); 4] =
+    [("gpu_kernels", "check"), ("gpu_gemv", ""), ("gpu_ops", ""), ("gpu_attention", "--quick")];
 
-/// `cargo xtask gpu-test`: the fused INT4 MoE (`gpu_kernels check`), the BF16-weight GEMV (`gpu_gemv`) and the
-/// model's CUDA paths (`gpu_ops`: RMSNorm, BF16 Linear), each against its CPU reference.
+/// `cargo xtask gpu-test`: the fused INT4 MoE (`gpu_kernels check`), the BF16-weight GEMV (`gpu_gemv`), the
+/// model's CUDA paths (`gpu_ops`: RMSNorm, BF16 Linear) and MLA attention over the paged cache with the cache write
+/// (`gpu_attention --quick`: every check, a short benchmark), each against its CPU reference.
 pub fn gpu_test(root: &Path) -> Result<()> {
     bundle(root)?;
     let dir = root.join(DIR);
@@ -85,7 +85,7 @@ pub fn gpu_test(root: &Path) -> Result<()> {
         }
         return Ok(());
     }
-    // Three stripped CUDA binaries exceed the 64 MiB a device call carries: compress them.
+    // Four stripped CUDA binaries exceed the 64 MiB a device call carries: compress them.
     for (program, _) in CHECKS {
         run(Command::new("gzip").args(["-1", "-f"]).arg(dir.join(program)))?;
     }
@@ -102,7 +102,9 @@ pub fn bench_command(out: &str) -> String {
     format!(
         "./{DIR}/gpu_kernels bench --json {out}/kernels.json && \
          python3 scripts/bench_kernels_peer.py --out {out}/kernels_peer.json && \
-         python3 scripts/bench_kernels_peer.py --merge {out}/kernels.json {out}/kernels_peer.json"
+         python3 scripts/bench_kernels_peer.py --merge {out}/kernels.json {out}/kernels_peer.json && \
+         ./{DIR}/gpu_attention --json {out}/attention.json && \
+         python3 scripts/bench_attention_peer.py --json {out}/attention_peer.json"
     )
 }
 
@@ -114,7 +116,7 @@ pub fn bench_kernels(root: &Path) -> Result<()> {
     }
     eprintln!(
         "no GPU here: carry {DIR} to the GPU machine and run there, from the repository root:\n  {}\n\
-         then copy kernels.json and kernels_peer.json into bench/",
+         then copy kernels.json, kernels_peer.json, attention.json and attention_peer.json into bench/",
         bench_command("$OUT")
     );
     Ok(())

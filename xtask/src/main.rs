@@ -26,16 +26,19 @@ commands:
   gpu-bundle              release binary + GPU check inputs in .device/ for the device machine
                           (then there: python3 scripts/gpu_check.py)
   bench load              safetensors index/map and CPU dequantization throughput (bench/load.json)
-  bench kernels           fused INT4 MoE kernel vs torch peers and copy bandwidth, on a GPU (bench/kernels*.json;
+  bench kernels           fused INT4 MoE and MLA attention kernels vs torch peers and copy bandwidth, on a GPU
+                          (bench/kernels*.json, bench/attention*.json;
                           without a GPU here: builds .device-kern/ and prints the device command)
   bench decode [--tp N] [--ep N] [args]
                           full-width Kimi-K2 slice (synthetic weights) decode on 1 GPU and on tp x ep GPUs over
                           NCCL (bench/decode.json; without GPUs here: builds .device-par/ and prints the command)
   bench serve [--url URL] serving benchmark (scripts/bench_serve.py): starts eyrie serve on the embedded tiny
                           model unless --url is given (bench/serve.json)
-  gpu-test                GPU kernels vs their CPU references (.device-kern/gpu_kernels check, on a GPU)
+  gpu-test                GPU kernels vs their CPU references (MoE, GEMV, RMSNorm/Linear, MLA attention, cache
+                          write; on a GPU, else builds .device-kern/ and prints the device command)
   kernels [--arch sm_120] [--json FILE] [--nvrtc PATH] [--cuda-include DIR] [--install]
-                          every fused-MoE kernel specialisation compiled by NVRTC for an architecture (no GPU):
+                          every kernel specialisation (fused MoE, MLA attention, BF16 GEMV) compiled by NVRTC for
+                          an architecture (no GPU):
                           registers, shared memory, spills; fails if one does not fit a block (default JSON:
                           target/kernels-<arch>.json; --install pip-installs CUDA 12.8's NVRTC and headers)
   build --cuda X.Y [--check]
