@@ -186,7 +186,7 @@ pub(crate) fn mla_attention<B: Backend>(
     rows: &eyrie_quant::cuda::attention::PagedRows,
     scale: f64,
 ) -> Option<Tensor<B, 3>> {
-    use eyrie_quant::cuda::attention::{AttentionConfig, mla_attention};
+    use eyrie_quant::cuda::attention::{AttentionConfig, MAX_ROWS, mla_attention};
     let [h, n, r] = q_lat.dims();
     let rot = q_pe.dims()[2];
     let [slots, width] = pool.dims();
@@ -211,6 +211,26 @@ pub(crate) fn mla_attention<B: Backend>(
     let sms = props.hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
     let smem = props.hardware.max_shared_memory_size;
     let max_len = rows.row_len.iter().copied().max().unwrap_or(0) as usize;
+    if n > MAX_ROWS {
+        // A launch takes at most MAX_ROWS rows: attend in parts (each row depends only on the cache and itself).
+        let q = back::<B, 3>(qc)?;
+        let mut parts = Vec::with_capacity(n.div_ceil(MAX_ROWS));
+        for start in (0..n).step_by(MAX_ROWS) {
+            let end = (start + MAX_ROWS).min(n);
+            let q_part = q.clone().narrow(0, start, end - start);
+            let (q_lat, q_pe) = (q_part.clone().narrow(2, 0, r), q_part.narrow(2, r, rot));
+            let part = rows.subset(start..end);
+            // (The bare name is eyrie-quant's launcher inside this function.)
+            parts.push(crate::cuda_ops::mla_attention(
+                &q_lat.swap_dims(0, 1),
+                &q_pe.swap_dims(0, 1),
+                pool,
+                &part,
+                scale,
+            )?);
+        }
+        return Some(Tensor::cat(parts, 1));
+    }
     let cfg = AttentionConfig::new(n, h, max_len, width, sms, smem)?;
     let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
     let out = client.empty(n * h * r * 4);

@@ -21,6 +21,10 @@
 //!
 //! The CPU reference is [`mla_attention_reference`] (f64), always built and tested in CI.
 
+/// Most query rows one launch of the attention takes (the grid's second dimension holds the rows: CUDA allows
+/// 65535 there); longer steps (a long prompt in one forward) are launched in parts of this many rows.
+pub const MAX_ROWS: usize = 65_535;
+
 /// Where each query row reads: its sequence's page table and how many positions it sees.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PagedRows {
@@ -82,6 +86,17 @@ impl PagedRows {
             }
         }
         Ok(())
+    }
+
+    /// Query rows `range` of these rows, with the same tables (for launches of at most [`MAX_ROWS`] rows).
+    pub fn subset(&self, range: std::ops::Range<usize>) -> PagedRows {
+        PagedRows {
+            row_seq: self.row_seq[range.clone()].to_vec(),
+            row_len: self.row_len[range].to_vec(),
+            tables: self.tables.clone(),
+            max_blocks: self.max_blocks,
+            block_size: self.block_size,
+        }
     }
 
     /// `row_seq`, `row_len` and `tables` in one buffer, as the kernel reads them.
@@ -585,6 +600,12 @@ mod gpu {
                  and rot of 4"
             ));
         }
+        if n > super::MAX_ROWS {
+            return Err(format!(
+                "mla_attention: {n} query rows in one launch, at most {} (launch in parts)",
+                super::MAX_ROWS
+            ));
+        }
         if !(1..=8).contains(&cfg.warps) || cfg.splits == 0 || cfg.chunk == 0 || !cfg.chunk.is_multiple_of(32) {
             return Err(format!("mla_attention: launch shape {cfg:?}"));
         }
@@ -705,6 +726,23 @@ mod tests {
         let out = mla_attention_reference(&[0.0, 0.0, 0.0, 0.0, 1.0], &cache, &rows, 1, 4, 1, 1.0);
         let want = [0.25, 0.0, 0.0, 0.75];
         assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{out:?}");
+    }
+
+    #[test]
+    fn subsets_keep_the_tables_and_cut_the_rows() {
+        let rows = PagedRows {
+            row_seq: vec![0, 1, 1],
+            row_len: vec![3, 1, 2],
+            tables: vec![0, 1, 2, 0],
+            max_blocks: 2,
+            block_size: 2,
+        };
+        let part = rows.subset(1..3);
+        assert_eq!((part.row_seq, part.row_len), (vec![1, 1], vec![1, 2]));
+        assert_eq!(part.tables, rows.tables);
+        let parts: Vec<PagedRows> = (0..3).step_by(2).map(|s| rows.subset(s..(s + 2).min(3))).collect();
+        assert_eq!(parts.iter().map(PagedRows::rows).sum::<usize>(), 3);
+        assert_eq!(parts[1].slot(0, 1), rows.slot(2, 1));
     }
 
     #[test]
