@@ -20,7 +20,7 @@ use anyhow::{Result, bail};
 use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
-use eyrie_quant::cuda::copy_f32;
+use eyrie_quant::cuda::copy_bandwidth;
 use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16, gemv_reference};
 
 type R = CudaRuntime;
@@ -67,18 +67,7 @@ fn main() -> Result<()> {
     let mut rng = SplitMix64::new(7);
 
     // Copy bandwidth of the same run (read + write bytes of 1 GiB).
-    let floats = 1 << 28;
-    let (a, b) = (client.empty(floats * 4), client.empty(floats * 4));
-    let mut best = f64::INFINITY;
-    for _ in 0..6 {
-        sync(&client)?;
-        let t = Instant::now();
-        copy_f32(&client, &a, &b, floats);
-        sync(&client)?;
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    drop((a, b));
-    let copy_bw = 8.0 * floats as f64 / best;
+    let copy_bw = copy_bandwidth(&client).map_err(anyhow::Error::msg)?;
     println!("copy bandwidth: {:.0} GB/s", copy_bw / 1e9);
     println!(
         "| matrix | rows x k | n | check (norm-wise) | us/call | GB/s | % of copy BW |\n|---|---|---|---|---|---|---|"

@@ -70,6 +70,8 @@ impl PagedRows {
             ));
         }
         let seqs = self.tables.len() / self.max_blocks;
+        // Each sequence's blocks are checked once, up to the longest row that reads them.
+        let mut longest = vec![(0usize, 0usize); seqs];
         for (row, (&seq, &len)) in self.row_seq.iter().zip(&self.row_len).enumerate() {
             let (seq, len) = (seq as usize, len as usize);
             if seq >= seqs {
@@ -78,6 +80,11 @@ impl PagedRows {
             if len == 0 || len.div_ceil(self.block_size) > self.max_blocks {
                 return Err(format!("row {row}: row_len {len} outside 1..={}", self.max_blocks * self.block_size));
             }
+            if len > longest[seq].1 {
+                longest[seq] = (row, len);
+            }
+        }
+        for (seq, &(row, len)) in longest.iter().enumerate() {
             for b in 0..len.div_ceil(self.block_size) {
                 let block = self.tables[seq * self.max_blocks + b] as usize;
                 if (block + 1) * self.block_size > slots {
@@ -97,6 +104,11 @@ impl PagedRows {
             max_blocks: self.max_blocks,
             block_size: self.block_size,
         }
+    }
+
+    /// Length of [`Self::packed`].
+    pub fn packed_len(&self) -> usize {
+        2 * self.rows() + self.tables.len()
     }
 
     /// `row_seq`, `row_len` and `tables` in one buffer, as the kernel reads them.
@@ -617,7 +629,7 @@ mod gpu {
                 cfg.splits, cfg.chunk
             ));
         }
-        let meta_len = rows.packed().len();
+        let meta_len = rows.packed_len();
         let sizes = [
             ("q", q, n * heads * d * 4),
             ("cache", cache, slots * d * 4),

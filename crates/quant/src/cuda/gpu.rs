@@ -309,6 +309,26 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
     }
 }
 
+/// Device copy bandwidth, bytes read + written per second: the best of 6 copies of 1 GiB through [`copy_f32`],
+/// each between device syncs (the ceiling the benchmarks state their kernels against).
+///
+/// # Errors
+/// A message when a device sync fails.
+pub fn copy_bandwidth<R: Runtime>(client: &ComputeClient<R>) -> Result<f64, String> {
+    let floats = 1usize << 28;
+    let (a, b) = (client.empty(floats * 4), client.empty(floats * 4));
+    let sync = || cubecl::future::block_on(client.sync()).map_err(|e| format!("device sync: {e:?}"));
+    let mut best = f64::INFINITY;
+    for _ in 0..6 {
+        sync()?;
+        let t = std::time::Instant::now();
+        copy_f32(client, &a, &b, floats);
+        sync()?;
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    Ok(8.0 * floats as f64 / best)
+}
+
 /// Copies `floats` f32 (a multiple of 1024) from `src` to `dst` on the device.
 pub fn copy_f32<R: Runtime>(client: &ComputeClient<R>, src: &Handle, dst: &Handle, floats: usize) {
     assert!(floats.is_multiple_of(1024), "copy length must be a multiple of 1024 floats");

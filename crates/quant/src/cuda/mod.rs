@@ -29,4 +29,4 @@ pub use experts::{KernelLayout, MoeExperts, MoeShape, Routing, SplitMix64};
 pub use reference::{Dequant, Mismatch, moe_reference};
 
 #[cfg(feature = "cuda")]
-pub use gpu::{GpuExperts, GpuRouting, MoeConfig, Stages, copy_f32, moe_forward, moe_forward_with};
+pub use gpu::{GpuExperts, GpuRouting, MoeConfig, Stages, copy_bandwidth, copy_f32, moe_forward, moe_forward_with};
