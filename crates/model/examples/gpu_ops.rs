@@ -1,8 +1,9 @@
 //! GPU check of eyrie-model's own CUDA paths (issue 4) against the generic burn ops and an f64 CPU reference,
 //! with timings: the one-launch RMSNorm (`cuda_ops::rms_norm`) at Kimi-K2's norm widths and a Linear with BF16
-//! weights (the GEMV path, `cuda_ops::gemv`) against the same Linear's generic f32 matmul.
+//! weights (the GEMV path, `cuda_ops::gemv`) against the same Linear's generic f32 matmul, and RoPE on row groups in
+//! one launch (`RotaryEmbedding::apply_rows`, `cuda_ops::rope_rows`) against its generic ops.
 //!
-//! Tolerance, norm-wise `max|gpu - ref| / max|ref|`: 1e-6 for RMSNorm (f32, sums in another order) against the
+//! Tolerance, norm-wise `max|gpu - ref| / max|ref|`: 1e-6 for RMSNorm (f32, sums in another order) and RoPE against the
 //! f64 reference; 1e-5 for the GEMV against the f64 reference (the generic path's TF32 matmul is printed beside
 //! it, ~1e-3). Exit status 1 on a mismatch. usage: gpu_ops [--json PATH]
 
@@ -14,6 +15,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{FloatDType, Tensor, TensorData};
 use eyrie_model::linear::Linear;
 use eyrie_model::rms_norm::RmsNorm;
+use eyrie_model::rope::RotaryEmbedding;
 use eyrie_quant::cuda::SplitMix64;
 
 type B = Cuda;
@@ -109,6 +111,51 @@ fn main() -> Result<(), Error> {
         );
         rows.push(serde_json::json!({"op": "linear_bf16", "n": n, "in": inp, "out": out, "error": e,
             "generic_error": e_generic, "kernel_us": us, "generic_us": us_generic, "ok": ok}));
+    }
+    // RoPE on row groups (`RotaryEmbedding::apply_rows`): the queries' rotary parts (64 heads a token, columns
+    // 128..192 of each head's row) and the keys' (columns 512..576 of kv_a), both pair layouts.
+    let inv_freq: Vec<f32> = (0..32).map(|i| 1.0 / 50_000f32.powf(2.0 * i as f32 / 64.0)).collect();
+    for (n, group, cols, off, interleave) in
+        [(1usize, 64usize, 192usize, 128usize, true), (8, 1, 576, 512, true), (33, 64, 192, 128, false)]
+    {
+        let d = 64;
+        let rope = RotaryEmbedding { inv_freq: inv_freq.clone(), attention_factor: 1.2, interleave };
+        let x: Vec<f32> = rng.activations(n * group * cols).iter().map(|v| v.to_f32()).collect();
+        let xt = Tensor::<B, 2>::from_data(TensorData::new(x.clone(), [n * group, cols]), &device);
+        let start = 4000;
+        let tables = rope.tables::<B>(start, n, &device);
+        let (cos, sin) = rope.host_tables(start, n);
+        let got = host(rope.apply_rows(xt.clone(), off, d, group, &tables));
+        let mut want = vec![0.0f64; n * group * d];
+        for row in 0..n * group {
+            let tok = row / group;
+            for i in 0..d / 2 {
+                let (a, b) = if interleave { (2 * i, 2 * i + 1) } else { (i, i + d / 2) };
+                let (a, b) = (f64::from(x[row * cols + off + a]), f64::from(x[row * cols + off + b]));
+                let (c, sn) = (f64::from(cos[tok * d / 2 + i]), f64::from(sin[tok * d / 2 + i]));
+                want[row * d + i] = a * c - b * sn;
+                want[row * d + d / 2 + i] = b * c + a * sn;
+            }
+        }
+        // The generic ops (what the CPU runs), on the GPU.
+        let generic = |x: Tensor<B, 2>| {
+            let part = x.narrow(1, off, d).reshape([1, n, group, d]).swap_dims(1, 2);
+            rope.apply(part, &tables).swap_dims(1, 2).reshape([n * group, d])
+        };
+        let e = err(&got, &want);
+        let e_generic = err(&host(generic(xt.clone())), &want);
+        let ok = e <= 1e-6;
+        failed |= !ok;
+        let us = time(&device, || drop(rope.apply_rows(xt.clone(), off, d, group, &tables)));
+        let us_generic = time(&device, || drop(generic(xt.clone())));
+        let layout = if interleave { "interleaved" } else { "rotate-half" };
+        println!(
+            "| rope ({layout}) | {n} x {group} rows of {cols}, cols {off}.. | {e:.1e} | {e_generic:.1e} | {us:.1} | {us_generic:.1} | {ok} |"
+        );
+        rows.push(
+            serde_json::json!({"op": "rope_rows", "n": n, "group": group, "cols": cols, "interleave": interleave,
+            "error": e, "generic_error": e_generic, "kernel_us": us, "generic_us": us_generic, "ok": ok}),
+        );
     }
     if let Some(path) = json {
         std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({"rows": rows}))? + "\n")?;

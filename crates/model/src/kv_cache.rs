@@ -267,16 +267,20 @@ impl<B: Backend> Mla<B> {
         let device = x.device();
 
         // [N, H*(nope+rot)] -> [1, H, N, nope+rot]
-        let q = self.q.forward(x.clone()).reshape([1, n, h, nope + rot]).swap_dims(1, 2);
+        let q_rows = self.q.forward(x.clone());
+        let q = q_rows.clone().reshape([1, n, h, nope + rot]).swap_dims(1, 2);
         // [H, N, nope]
-        let q_nope = q.clone().narrow(3, 0, nope).reshape([h, n, nope]);
-        // [H, N, rot]
-        let q_pe = rope.apply(q.narrow(3, nope, rot), tables).reshape([h, n, rot]);
+        let q_nope = q.narrow(3, 0, nope).reshape([h, n, nope]);
+        // [N*H, rot] -> [H, N, rot]
+        let q_pe = rope
+            .apply_rows(q_rows.reshape([n * h, nope + rot]), nope, rot, h, tables)
+            .reshape([n, h, rot])
+            .swap_dims(0, 1);
 
         // New latents: normalized c_kv and post-RoPE k_pe, [N, r + rot].
         let kv_a = self.kv_a_proj_with_mqa.forward(x);
         let c_kv = self.kv_a_layernorm.forward(kv_a.clone().narrow(1, 0, r));
-        let k_pe = rope.apply(kv_a.narrow(1, r, rot).reshape([1, 1, n, rot]), tables).reshape([n, rot]);
+        let k_pe = rope.apply_rows(kv_a, r, rot, 1, tables);
         let latents = Tensor::cat(vec![c_kv, k_pe], 1);
         cache.write_spans(layer, spans, latents);
 
