@@ -2,7 +2,7 @@
 //! runs on a CUDA machine, built with `--features cuda`.
 //!
 //! ```text
-//! gpu_attention [--json FILE] [--quick]
+//! gpu_attention [--json FILE] [--quick] [--sweep]
 //! ```
 //!
 //! Check: random never-zero queries and latents, page tables of shuffled blocks, decode rows of several sequences
@@ -23,7 +23,9 @@ use anyhow::{Result, bail};
 use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
-use eyrie_quant::cuda::attention::{AttentionConfig, PagedRows, mla_attention, mla_attention_reference, write_rows};
+use eyrie_quant::cuda::attention::{
+    AttentionConfig, PagedRows, attention_shared_bytes, mla_attention, mla_attention_reference, write_rows,
+};
 use eyrie_quant::cuda::copy_bandwidth;
 
 type R = CudaRuntime;
@@ -150,6 +152,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let json = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let quick = args.iter().any(|a| a == "--quick");
+    let sweep = args.iter().any(|a| a == "--sweep");
     let client = R::client(&CudaDevice::default());
     let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
     let smem = client.properties().hardware.max_shared_memory_size;
@@ -293,9 +296,63 @@ fn main() -> Result<()> {
             );
         }
     }
+    // Launch shapes at decode batches (`--sweep`): every warps x slice length that fits, to tune
+    // `AttentionConfig::new` (the auto choice is marked).
+    let mut sweep_json = Vec::new();
+    if sweep {
+        println!("\nlaunch-shape sweep: us per layer (auto choice marked *)");
+        println!(
+            "| batch | context | warps | positions a slice | slices | blocks | us/layer |\n|---|---|---|---|---|---|---|"
+        );
+        for (ctx, batch) in [(1024usize, 1usize), (1024, 8), (8192, 1), (8192, 8), (1024, 32)] {
+            let lens = vec![ctx; batch];
+            let slots = batch * ctx.div_ceil(bs) * bs;
+            let case = Case { name: "sweep", heads, r, rot, block_size: bs, lens: lens.clone(), new: vec![1; batch] };
+            let (t, max_blocks) = tables(&mut rng, &lens, bs, slots);
+            let rows = rows_of(&case, t, max_blocks);
+            let q_dev = client.create_from_slice(f32::as_bytes(&values(&mut rng, batch * heads * d, 1.0)));
+            let cache = client.create_from_slice(f32::as_bytes(&values(&mut rng, slots * d, 1.0)));
+            let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
+            let out = client.empty(batch * heads * r * 4);
+            let auto = AttentionConfig::new(batch, heads, ctx, d, sms, smem);
+            for warps in [1usize, 2, 4, 8] {
+                if attention_shared_bytes(d, warps) > smem {
+                    continue;
+                }
+                for chunk in [32usize, 64, 128, 256, 512, 1024, 2048] {
+                    if chunk > ctx.next_multiple_of(32) {
+                        continue;
+                    }
+                    let cfg = AttentionConfig { warps, splits: ctx.div_ceil(chunk), chunk };
+                    let run = || {
+                        mla_attention(&client, &q_dev, &cache, slots, &rows, &meta, &out, heads, r, rot, 0.07, cfg)
+                            .map_err(anyhow::Error::msg)
+                    };
+                    run()?;
+                    let mut times = Vec::new();
+                    for _ in 0..7 {
+                        sync(&client)?;
+                        let t = Instant::now();
+                        for _ in 0..10 {
+                            run()?;
+                        }
+                        sync(&client)?;
+                        times.push(t.elapsed().as_secs_f64() / 10.0);
+                    }
+                    times.sort_by(f64::total_cmp);
+                    let us = times[3] * 1e6;
+                    let blocks = cfg.splits * batch * heads.div_ceil(8 * warps);
+                    let mark = if auto == Some(cfg) { "*" } else { "" };
+                    println!("| {batch} | {ctx} | {warps} | {chunk} | {} | {blocks} | {us:.1}{mark} |", cfg.splits);
+                    sweep_json.push(serde_json::json!({"batch": batch, "context": ctx, "warps": warps, "chunk": chunk,
+                        "splits": cfg.splits, "blocks": blocks, "us": us, "auto": auto == Some(cfg)}));
+                }
+            }
+        }
+    }
     if let Some(path) = json {
         let doc = serde_json::json!({"kernel": "eyrie_quant::cuda::attention::mla_attention", "tolerance": TOL,
-            "copy_bandwidth_gb_s": copy_bw / 1e9, "check": check_json, "bench": bench_json});
+            "copy_bandwidth_gb_s": copy_bw / 1e9, "check": check_json, "bench": bench_json, "sweep": sweep_json});
         std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")?;
     }
     if failed {

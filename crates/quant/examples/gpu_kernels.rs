@@ -135,6 +135,13 @@ fn run_checks(client: &ComputeClient<R>, kimi: &MoeExperts, gpu_kimi: &GpuExpert
         let gpu = GpuExperts::upload(client, &ex.kernel_layout());
         report(shape, m, topk, check_case(client, &ex, &gpu, m, topk, 200 + i as u64, &MoeConfig::default())?);
     }
+    // Prefill widths (eyrie-model sends up to 65536 pairs through the kernel): 512 tokens of top-8 over 16 experts,
+    // ~256 tokens an expert, with the launch shape the model picks for 512 tokens (a smaller shape keeps the f64
+    // reference quick).
+    let wide = MoeShape { hidden: 1024, inter: 512, experts: 16, group: 32 };
+    let ex = MoeExperts::random(wide, 31)?;
+    let gpu = GpuExperts::upload(client, &ex.kernel_layout());
+    report(wide, 512, TOPK, check_case(client, &ex, &gpu, 512, TOPK, 300, &MoeConfig::for_tokens(512))?);
     Ok(failed)
 }
 

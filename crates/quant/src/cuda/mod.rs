@@ -1,5 +1,6 @@
 //! The engine's CUDA hot-path kernels (issue 4): fused INT4 W4A16 mixture-of-experts for decode and verification
-//! widths (1..256 tokens), BF16-weight GEMV ([`dense`]) and MLA attention over the paged latent cache ([`attention`]).
+//! widths (1..256 tokens), BF16-weight GEMV ([`dense`]), f32-exact tensor-core GEMM through cuBLAS for prefill
+//! widths ([`gemm`]) and MLA attention over the paged latent cache ([`attention`]).
 //!
 //! - [`experts`]: the experts of one layer, their kernel layout (built once at load time) and the grouping of
 //!   token-expert pairs by expert. Always built.
@@ -13,6 +14,7 @@
 pub mod attention;
 pub mod dense;
 pub mod experts;
+pub mod gemm;
 pub mod reference;
 pub mod resources;
 
