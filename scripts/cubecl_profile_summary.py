@@ -3,7 +3,8 @@
 line per launch, each timed alone with a sync) by kernel name over its last N launches, and prints the top kernels
 by total time: a decode step's kernel mix. Durations are Rust `Duration` debug strings (`14.2µs`, `1.3ms`).
 
-usage: python3 scripts/cubecl_profile_summary.py LOG [--last N] [--top K]
+usage: python3 scripts/cubecl_profile_summary.py LOG [--last N] [--top K] [--count]
+(--count: print only the number of launches in the log; two runs with different step counts give the launches a step)
 """
 import argparse
 import collections
@@ -18,6 +19,7 @@ def main():
     ap.add_argument("log")
     ap.add_argument("--last", type=int, default=1000)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--count", action="store_true")
     a = ap.parse_args()
     rows = []
     with open(a.log, errors="replace") as f:
@@ -25,6 +27,9 @@ def main():
             m = LINE.match(line.strip())
             if m:
                 rows.append((float(m.group(1)) * UNITS[m.group(2)], m.group(3)[:90]))
+    if a.count:
+        print(len(rows))
+        return
     rows = rows[-a.last:]
     total = sum(t for t, _ in rows)
     by = collections.defaultdict(lambda: [0.0, 0])

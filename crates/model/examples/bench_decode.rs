@@ -12,9 +12,11 @@
 //! slices, the router, `lm_head`; BF16 on CUDA, f32 on the CPU), the expected number of distinct routed experts it
 //! holds, `E (1 - (1 - k/E)^batch) / ep` for uniform routing, at INT4's 0.5625 bytes a parameter (packed words + BF16
 //! group scales, as the fused layout holds them on the GPU), and the latent cache. On CUDA decode steps run the routed
-//! experts through the fused INT4 kernel, which reads exactly those bytes, and the dense Linears through the
-//! BF16-weight GEMV kernel (f32 activations), and attention (prefill chunks too) through the MLA attention kernel
-//! over the paged cache (`eyrie_quant::cuda::attention`: f32, no score matrix in memory).
+//! experts through the fused INT4 kernel, which reads exactly those bytes (prefill chunks too), the dense Linears
+//! through the BF16-weight GEMV kernel (f32 activations; prefill chunks through the f32-precision cuBLAS GEMM), and
+//! the absorbed attention (prefill chunks too) through the model's absorption kernels and the MLA attention kernel
+//! over the paged cache (`eyrie_quant::cuda::attention`: f32, no score matrix in memory). Before the splits, the copy
+//! bandwidth and a launch floor (us per dependent one-element op) are measured on GPU 0.
 //!
 //! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8] [--warmup 3]
 //!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR]
@@ -63,6 +65,25 @@ fn copy_bandwidth<B: Backend>(device: &B::Device, n: usize) -> Result<f64, Error
         drop(y);
     }
     Ok(2.0 * 4.0 * n as f64 / best)
+}
+
+/// Microseconds per launch of a chain of 2000 dependent one-element burn ops (`y = y + 1`) between two syncs: the
+/// floor one kernel launch costs in a step (host enqueue through burn and CubeCL, and the GPU's launch), against which
+/// the launches per step (counted with `CUBECL_DEBUG_OPTION=profile`) give the step's launch overhead.
+fn launch_floor_us<B: Backend>(device: &B::Device) -> Result<f64, Error> {
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let mut y = Tensor::<B, 1>::ones([1], device);
+        <B as Backend>::sync(device).map_err(|e| format!("{e:?}"))?;
+        let started = Instant::now();
+        for _ in 0..2000 {
+            y = y + 1.0;
+        }
+        <B as Backend>::sync(device).map_err(|e| format!("{e:?}"))?;
+        best = best.min(started.elapsed().as_secs_f64() * 1e6 / 2000.0);
+        drop(y);
+    }
+    Ok(best)
 }
 
 /// Bytes rank 0 reads in one decode step (see the module docs).
@@ -232,6 +253,9 @@ impl Run<'_> {
     ) -> Result<(f64, (Vec<Row>, Vec<String>)), Error> {
         let bandwidth = copy_bandwidth::<B>(first, n)?;
         eprintln!("[{:.0} s] copy bandwidth on the first device: {:.0} GB/s", t(), bandwidth / 1e9);
+        let floor = launch_floor_us::<B>(first)?;
+        let _ = LAUNCH_US.set(floor);
+        eprintln!("[{:.0} s] launch floor: {floor:.1} us per dependent one-element op", t());
         let (mut rows, mut failures) = (Vec::new(), Vec::new());
         for &split in splits {
             if Instant::now() >= self.deadline {
@@ -253,6 +277,9 @@ impl Run<'_> {
     }
 }
 
+/// The launch floor measured on the first device (`launch_floor_us`).
+static LAUNCH_US: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+
 /// Where the JSON goes (set once from `--json`).
 static JSON: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
@@ -273,7 +300,8 @@ fn write_json(
         })
         .collect();
     let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic weights (INT4 routed experts; dense weights BF16 values, held BF16 on CUDA)", "layers": layers,
-        "steps": steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "rows": rows, "failures": failures});
+        "steps": steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "launch_floor_us": LAUNCH_US.get(), "rows": rows,
+        "failures": failures});
     std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
     Ok(())
 }
@@ -327,11 +355,12 @@ fn main() -> Result<(), Error> {
     };
     let (rows, failures) = outcomes;
     println!(
-        "\n{} layers, hidden {}, {} routed experts (INT4), dense weights BF16 on CUDA, context {context}, {warmup} warm-up and {steps} timed steps (median shown); copy bandwidth {:.0} GB/s",
+        "\n{} layers, hidden {}, {} routed experts (INT4), dense weights BF16 on CUDA, context {context}, {warmup} warm-up and {steps} timed steps (median shown); copy bandwidth {:.0} GB/s; launch floor {:.1} us",
         config.num_hidden_layers,
         config.hidden_size,
         config.n_routed_experts,
-        bandwidth / 1e9
+        bandwidth / 1e9,
+        LAUNCH_US.get().copied().unwrap_or(f64::NAN)
     );
     println!(
         "| tp | ep | GPUs | batch | ms/step | rank-0 bytes/step | roofline ms | x roofline | in collectives | prefill s |"

@@ -1,10 +1,13 @@
 //! GPU check of eyrie-model's own CUDA paths (issue 4) against the generic burn ops and an f64 CPU reference,
 //! with timings: the one-launch RMSNorm (`cuda_ops::rms_norm`) at Kimi-K2's norm widths and a Linear with BF16
-//! weights (the GEMV path, `cuda_ops::gemv`) against the same Linear's generic f32 matmul, and RoPE on row groups in
-//! one launch (`RotaryEmbedding::apply_rows`, `cuda_ops::rope_rows`) against its generic ops.
+//! weights (the GEMV path, `cuda_ops::gemv`, up to 16 rows; the f32-exact cuBLAS GEMM, `cuda_ops::gemm`, above)
+//! against the same Linear's generic f32 matmul, and RoPE on row groups in
+//! one launch (`RotaryEmbedding::apply_rows`, `cuda_ops::rope_rows`) against its generic ops, and the absorbed MLA
+//! (`cuda_ops::mla_absorbed`: query absorption + RoPE, attention over the paged cache, value absorption) against an
+//! f64 host reference (1e-5).
 //!
 //! Tolerance, norm-wise `max|gpu - ref| / max|ref|`: 1e-6 for RMSNorm (f32, sums in another order) and RoPE against the
-//! f64 reference; 1e-5 for the GEMV against the f64 reference (the generic path's TF32 matmul is printed beside
+//! f64 reference; 1e-5 for the GEMV and GEMM against the f64 reference (the generic path's TF32 matmul is printed beside
 //! it, ~1e-3). Exit status 1 on a mismatch. usage: gpu_ops [--json PATH]
 
 use std::time::Instant;
@@ -85,8 +88,40 @@ fn main() -> Result<(), Error> {
         rows.push(serde_json::json!({"op": "rms_norm", "n": n, "width": width, "error": e, "generic_error": e_generic,
             "kernel_us": us, "generic_us": us_generic, "ok": ok}));
     }
-    for (n, out, inp) in [(1usize, 1536usize, 7168usize), (4, 7168, 2048), (16, 2048, 7168)] {
-        let x: Vec<f32> = rng.activations(n * inp).iter().map(|v| v.to_f32()).collect();
+    // The residual add fused into the norm (`RmsNorm::forward_add`, `cuda_ops::add_rms_norm`): h = x + res and its norm.
+    for (n, width, eps) in [(1usize, 7168usize, 1e-6f64), (40, 7168, 1e-6)] {
+        let x: Vec<f32> = (0..n * width).map(|_| (rng.next_f32() - 0.5) * 6.0).collect();
+        let res: Vec<f32> = (0..n * width).map(|_| (rng.next_f32() - 0.5) * 2.0).collect();
+        let w: Vec<f32> = (0..width).map(|_| 0.5 + rng.next_f32()).collect();
+        let t2 = |v: &Vec<f32>| Tensor::<B, 2>::from_data(TensorData::new(v.clone(), [n, width]), &device);
+        let norm = RmsNorm::new(Tensor::<B, 1>::from_data(TensorData::new(w.clone(), [width]), &device), eps);
+        let (xt, rt) = (t2(&x), t2(&res));
+        let (h, y) = norm.forward_add(xt.clone(), rt.clone());
+        let h_want: Vec<f32> = x.iter().zip(&res).map(|(a, b)| a + b).collect();
+        let h_exact = host(h) == h_want;
+        let mut want = vec![0.0f64; n * width];
+        for r in 0..n {
+            let row = &h_want[r * width..(r + 1) * width];
+            let ms = row.iter().map(|v| f64::from(*v) * f64::from(*v)).sum::<f64>() / width as f64;
+            let inv = 1.0 / (ms + eps).sqrt();
+            for c in 0..width {
+                want[r * width + c] = f64::from(row[c]) * inv * f64::from(w[c]);
+            }
+        }
+        let e = err(&host(y), &want);
+        let ok = h_exact && e <= 1e-6;
+        failed |= !ok;
+        let us = time(&device, || drop(norm.forward_add(xt.clone(), rt.clone())));
+        println!("| add + rms_norm (sum exact: {h_exact}) | {n} x {width} | {e:.1e} | - | {us:.1} | - | {ok} |");
+        rows.push(serde_json::json!({"op": "add_rms_norm", "n": n, "width": width, "error": e, "sum_exact": h_exact,
+            "kernel_us": us, "ok": ok}));
+    }
+    // Up to 16 rows: the GEMV kernel; more (prefill chunks): the f32-exact cuBLAS GEMM (`cuda_ops::gemm`).
+    // Activations with all 24 mantissa bits in use (BF16-valued ones would hide a lost split part).
+    for (n, out, inp) in
+        [(1usize, 1536usize, 7168usize), (4, 7168, 2048), (16, 2048, 7168), (17, 1536, 7168), (300, 576, 1024)]
+    {
+        let x: Vec<f32> = (0..n * inp).map(|_| (rng.next_f32() - 0.5) * 4.0).collect();
         let wv: Vec<f32> =
             (0..out * inp).map(|_| half::bf16::from_f32((rng.next_f32() - 0.5) / 16.0).to_f32()).collect();
         let w = Tensor::<B, 2>::from_data(TensorData::new(wv.clone(), [out, inp]), &device).cast(FloatDType::BF16);
@@ -107,7 +142,8 @@ fn main() -> Result<(), Error> {
         let us = time(&device, || drop(linear.forward(xt.clone())));
         let us_generic = time(&device, || drop(generic(xt.clone())));
         println!(
-            "| linear (BF16 weights) | {n} x {inp} -> {out} | {e:.1e} | {e_generic:.1e} | {us:.1} | {us_generic:.1} | {ok} |"
+            "| linear (BF16 weights, {}) | {n} x {inp} -> {out} | {e:.1e} | {e_generic:.1e} | {us:.1} | {us_generic:.1} | {ok} |",
+            if n <= eyrie_model::cuda_ops::GEMV_MAX_TOKENS { "GEMV" } else { "cuBLAS GEMM" }
         );
         rows.push(serde_json::json!({"op": "linear_bf16", "n": n, "in": inp, "out": out, "error": e,
             "generic_error": e_generic, "kernel_us": us, "generic_us": us_generic, "ok": ok}));
@@ -156,6 +192,95 @@ fn main() -> Result<(), Error> {
             serde_json::json!({"op": "rope_rows", "n": n, "group": group, "cols": cols, "interleave": interleave,
             "error": e, "generic_error": e_generic, "kernel_us": us, "generic_us": us_generic, "ok": ok}),
         );
+    }
+    // The absorbed MLA on CUDA (`cuda_ops::mla_absorbed`: query absorption + RoPE, attention over the paged
+    // cache, value absorption) at Kimi-K2's shapes, against an f64 host reference of the same math.
+    {
+        use eyrie_model::cuda_ops::{MlaDims, mla_absorbed};
+        use eyrie_quant::cuda::attention::{PagedRows, mla_attention_reference};
+        let dims = MlaDims { heads: 64, nope: 128, rot: 64, vd: 128, r: 512 };
+        let MlaDims { heads, nope, rot, vd, r } = dims;
+        let (half, width, block) = (rot / 2, r + rot, 16);
+        for (n, interleave) in [(1usize, true), (5, false), (40, true)] {
+            // n rows of 3 sequences (lengths 257..), each row seeing its sequence's positions up to its own.
+            let lens: Vec<usize> = (0..3).map(|s| 257 + 61 * s).collect();
+            let max_blocks = lens.iter().max().unwrap().div_ceil(block);
+            let tables: Vec<u32> = (0..3 * max_blocks).map(|i| ((i * 7) % (3 * max_blocks)) as u32).collect();
+            let row_seq: Vec<u32> = (0..n).map(|i| (i % 3) as u32).collect();
+            let row_len: Vec<u32> = (0..n).map(|i| (lens[i % 3] - i / 3) as u32).collect();
+            let paged = PagedRows { row_seq, row_len, tables, max_blocks, block_size: block };
+            let slots = 3 * max_blocks * block;
+            let rand = |rng: &mut SplitMix64, len: usize, s: f32| -> Vec<f32> {
+                (0..len).map(|_| (rng.next_f32() - 0.5) * s).collect()
+            };
+            let q = rand(&mut rng, n * heads * (nope + rot), 2.0);
+            let pool = rand(&mut rng, slots * width, 2.0);
+            let cos = rand(&mut rng, n * half, 2.0);
+            let sin = rand(&mut rng, n * half, 2.0);
+            let w: Vec<f32> = (0..heads * (nope + vd) * r)
+                .map(|_| half::bf16::from_f32((rng.next_f32() - 0.5) / 8.0).to_f32())
+                .collect();
+            let t2 =
+                |v: &Vec<f32>, shape: [usize; 2]| Tensor::<B, 2>::from_data(TensorData::new(v.clone(), shape), &device);
+            let w_t = t2(&w, [heads * (nope + vd), r]).cast(FloatDType::BF16);
+            let scale = 1.0 / ((nope + rot) as f64).sqrt();
+            let run = || {
+                mla_absorbed(
+                    &t2(&q, [n, heads * (nope + rot)]),
+                    &w_t,
+                    &t2(&cos, [n, half]),
+                    &t2(&sin, [n, half]),
+                    interleave,
+                    &t2(&pool, [slots, width]),
+                    &paged,
+                    scale,
+                    dims,
+                )
+            };
+            let got = host(run().ok_or("mla_absorbed refused Kimi-K2's shapes")?);
+            // f64 reference: queries (rounded to f32, as the kernel stores them), attention, value absorption.
+            let mut qf = vec![0.0f32; n * heads * width];
+            for t in 0..n {
+                for h in 0..heads {
+                    let qb = t * heads * (nope + rot) + h * (nope + rot);
+                    for c in 0..r {
+                        let acc: f64 =
+                            (0..nope).map(|j| f64::from(q[qb + j]) * f64::from(w[(h * (nope + vd) + j) * r + c])).sum();
+                        qf[(t * heads + h) * width + c] = acc as f32;
+                    }
+                    for i in 0..half {
+                        let (a, b) = if interleave { (2 * i, 2 * i + 1) } else { (i, half + i) };
+                        let (a, b) = (f64::from(q[qb + nope + a]), f64::from(q[qb + nope + b]));
+                        let (c, sn) = (f64::from(cos[t * half + i]), f64::from(sin[t * half + i]));
+                        qf[(t * heads + h) * width + r + i] = (a * c - b * sn) as f32;
+                        qf[(t * heads + h) * width + r + half + i] = (b * c + a * sn) as f32;
+                    }
+                }
+            }
+            let o_lat = mla_attention_reference(&qf, &pool, &paged, heads, r, rot, scale);
+            let mut want = vec![0.0f64; n * heads * vd];
+            for t in 0..n {
+                for h in 0..heads {
+                    for v in 0..vd {
+                        want[t * heads * vd + h * vd + v] = (0..r)
+                            .map(|c| {
+                                f64::from(o_lat[(t * heads + h) * r + c])
+                                    * f64::from(w[(h * (nope + vd) + nope + v) * r + c])
+                            })
+                            .sum();
+                    }
+                }
+            }
+            let e = err(&got, &want);
+            let ok = e <= 1e-5;
+            failed |= !ok;
+            let us = time(&device, || drop(run()));
+            println!(
+                "| mla_absorbed ({}) | {n} rows, 64 heads, ctx <= 379 | {e:.1e} | - | {us:.1} | - | {ok} |",
+                if interleave { "interleaved" } else { "rotate-half" }
+            );
+            rows.push(serde_json::json!({"op": "mla_absorbed", "n": n, "error": e, "kernel_us": us, "ok": ok}));
+        }
     }
     if let Some(path) = json {
         std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({"rows": rows}))? + "\n")?;

@@ -11,6 +11,7 @@ use burn::tensor::{DType, Int, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
 use cubecl::prelude::*;
 use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16};
+use eyrie_quant::cuda::gemm::{Blas, gemm_f32_bf16w};
 
 /// burn's CUDA tensor primitive (float and int alike).
 pub(crate) type Cube = burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>;
@@ -63,7 +64,7 @@ pub(crate) fn contiguous_int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -
     }
 }
 
-/// Most tokens a step sends through the GEMV kernel; wider inputs (prefill chunks) take burn's matmul.
+/// Most tokens a step sends through the GEMV kernel; wider inputs (prefill chunks) take [`gemm`].
 pub const GEMV_MAX_TOKENS: usize = 16;
 
 /// `x` `[n, k]` f32 times `W^T` for `W` `[rows, k]` BF16 through eyrie-quant's GEMV kernel, or `None` (not CUDA,
@@ -86,18 +87,72 @@ pub(crate) fn gemv<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Ten
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
 }
 
+thread_local! {
+    /// This thread's cuBLAS handle per CUDA device (`None`: cuBLAS could not be had there; said once on stderr).
+    static BLAS: std::cell::RefCell<std::collections::HashMap<usize, Option<std::rc::Rc<Blas>>>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// This thread's cuBLAS handle for CUDA device `ordinal`, made on first use.
+fn blas(ordinal: usize) -> Option<std::rc::Rc<Blas>> {
+    BLAS.with(|cache| {
+        cache
+            .borrow_mut()
+            .entry(ordinal)
+            .or_insert_with(|| match Blas::new(ordinal) {
+                Ok(b) => Some(std::rc::Rc::new(b)),
+                Err(e) => {
+                    eprintln!(
+                        "eyrie: no cuBLAS on CUDA device {ordinal} ({e}); prefill-width matmuls fall back to burn's \
+                         matmul (TF32, slower)"
+                    );
+                    None
+                }
+            })
+            .clone()
+    })
+}
+
+/// `x` `[n, k]` f32 times `W^T` for `W` `[rows, k]` BF16 with more than [`GEMV_MAX_TOKENS`] rows (prefill chunks):
+/// eyrie-quant's f32-exact tensor-core GEMM through cuBLAS ([`gemm_f32_bf16w`]), or `None` (not CUDA, other dtypes,
+/// `k` odd, cuBLAS missing or failing: the reason is on stderr).
+pub(crate) fn gemm<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Tensor<B, 2>> {
+    let [n, k] = x.dims();
+    let [rows, kw] = w.dims();
+    if !is_cuda::<B>() || n <= GEMV_MAX_TOKENS || kw != k || !k.is_multiple_of(2) || rows == 0 {
+        return None;
+    }
+    if w.dtype() != DType::BF16 || x.dtype() != DType::F32 {
+        return None;
+    }
+    let xc = float(x.clone())?;
+    let wc = float(w.clone())?;
+    let blas = blas(xc.device.index)?;
+    let client = xc.client.clone();
+    let out = client.empty(n * rows * 4);
+    if let Err(e) = gemm_f32_bf16w(&client, &blas, &xc.handle, &wc.handle, &out, n, rows, k) {
+        eprintln!("eyrie: cuBLAS GEMM [{n}, {k}] x [{rows}, {k}]^T failed ({e}); using burn's matmul");
+        return None;
+    }
+    back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
+}
+
 /// RMSNorm of each row in one launch (the generic path is seven burn ops: square, mean, add, sqrt, reciprocal and
-/// two products). One block of 8 warps per row; f32 throughout; the row's sum of squares in a different order
-/// than burn's mean, so results differ from the generic path by f32 rounding only.
+/// two products); with `add`, of `x + res` (the residual stream's update, written to `sum`), in the same launch. One
+/// block of 8 warps per row; f32 throughout; the row's sum of squares in a different order than burn's mean, so
+/// results differ from the generic path by f32 rounding only.
 #[cube(launch_unchecked, address_type = "dynamic")]
-#[allow(clippy::manual_div_ceil)]
+#[allow(clippy::manual_div_ceil, clippy::too_many_arguments)]
 pub fn rms_norm_kernel<N: Size>(
     x: &Array<Vector<f32, N>>,
+    res: &Array<Vector<f32, N>>,
     w: &Array<Vector<f32, N>>,
+    sum: &mut Array<Vector<f32, N>>,
     out: &mut Array<Vector<f32, N>>,
     eps: f32,
     #[comptime] width: usize,
     #[comptime] warps: usize,
+    #[comptime] add: bool,
 ) {
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
@@ -109,7 +164,11 @@ pub fn rms_norm_kernel<N: Size>(
     for i in 0..comptime!((width / 4).div_ceil(32 * warps)) {
         let v = tid + i * threads;
         if v < wv {
-            let a = x[row * wv + v];
+            let mut a = x[row * wv + v];
+            if add {
+                a += res[row * wv + v];
+                sum[row * wv + v] = a;
+            }
             ss += a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
         }
     }
@@ -128,7 +187,11 @@ pub fn rms_norm_kernel<N: Size>(
     for i in 0..comptime!((width / 4).div_ceil(32 * warps)) {
         let v = tid + i * threads;
         if v < wv {
-            let a = x[row * wv + v];
+            // (This thread wrote `sum[row, v]` itself in the first pass.)
+            let mut a = x[row * wv + v];
+            if add {
+                a = sum[row * wv + v];
+            }
             let g = w[v];
             let mut o = Vector::<f32, N>::empty();
             o[0] = a[0] * inv * g[0];
@@ -143,6 +206,31 @@ pub fn rms_norm_kernel<N: Size>(
 /// RMSNorm of `x` `[n, width]` (f32) with weight `[width]` (f32) in one launch, or `None` (not CUDA, other dtypes,
 /// `width` not a multiple of 4, no rows).
 pub(crate) fn rms_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>, eps: f64) -> Option<Tensor<B, 2>> {
+    rms_norm_launch(x, None, weight, eps).map(|(_, y)| y)
+}
+
+/// `h = x + res` and the RMSNorm of `h`, both `[n, width]`, in one launch; `None` as [`rms_norm`] (or `res` of
+/// another shape or dtype).
+pub(crate) fn add_rms_norm<B: Backend>(
+    x: &Tensor<B, 2>,
+    res: &Tensor<B, 2>,
+    weight: &Tensor<B, 1>,
+    eps: f64,
+) -> Option<(Tensor<B, 2>, Tensor<B, 2>)> {
+    if res.dims() != x.dims() || res.dtype() != DType::F32 {
+        return None;
+    }
+    let (h, y) = rms_norm_launch(x, Some(res), weight, eps)?;
+    Some((h?, y))
+}
+
+/// The launch of [`rms_norm_kernel`]: `(x + res, normed)` with `res`, `(None, normed)` without.
+fn rms_norm_launch<B: Backend>(
+    x: &Tensor<B, 2>,
+    res: Option<&Tensor<B, 2>>,
+    weight: &Tensor<B, 1>,
+    eps: f64,
+) -> Option<(Option<Tensor<B, 2>>, Tensor<B, 2>)> {
     let [n, width] = x.dims();
     if !is_cuda::<B>() || n == 0 || width == 0 || !width.is_multiple_of(4) || weight.dims()[0] != width {
         return None;
@@ -152,11 +240,20 @@ pub(crate) fn rms_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>, eps:
     }
     let xc = float(x.clone())?;
     let wc = float(weight.clone())?;
+    let rc = match res {
+        Some(r) => Some(float(r.clone())?),
+        None => None,
+    };
     let client = xc.client.clone();
     let out = client.empty(n * width * 4);
+    // Without a residual, `res` and `sum` are never touched: `x`'s and `out`'s buffers stand in for them.
+    let (res_h, sum) = match &rc {
+        Some(r) => (r.handle.clone(), client.empty(n * width * 4)),
+        None => (xc.handle.clone(), out.clone()),
+    };
     let warps = 8usize;
-    // SAFETY: `x` and `out` hold `n * width` f32 and `weight` `width` (checked above, contiguous); the kernel reads
-    // and writes only row `CUBE_POS_X < n`, vectors `< width / 4`.
+    // SAFETY: `x`, `res`, `sum` and `out` hold `n * width` f32 and `weight` `width` (checked above, contiguous); the
+    // kernel reads and writes only row `CUBE_POS_X < n`, vectors `< width / 4`.
     unsafe {
         rms_norm_kernel::launch_unchecked::<cubecl::cuda::CudaRuntime>(
             &client,
@@ -165,14 +262,23 @@ pub(crate) fn rms_norm<B: Backend>(x: &Tensor<B, 2>, weight: &Tensor<B, 1>, eps:
             AddressType::from_len(n * width),
             4,
             ArrayArg::from_raw_parts(xc.handle.clone(), n * width / 4),
+            ArrayArg::from_raw_parts(res_h, n * width / 4),
             ArrayArg::from_raw_parts(wc.handle.clone(), width / 4),
+            ArrayArg::from_raw_parts(sum.clone(), n * width / 4),
             ArrayArg::from_raw_parts(out.clone(), n * width / 4),
             eps as f32,
             width,
             warps,
+            rc.is_some(),
         );
     }
-    back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, width]), out, DType::F32))
+    let shape = || Shape::new([n, width]);
+    let y = back::<B, 2>(Cube::new_contiguous(client.clone(), xc.device.clone(), shape(), out, DType::F32))?;
+    let h = match rc {
+        Some(_) => Some(back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), shape(), sum, DType::F32))?),
+        None => None,
+    };
+    Some((h, y))
 }
 
 /// Absorbed MLA attention over layer `pool` `[slots, r + rot]` of the paged latent cache through eyrie-quant's
@@ -345,4 +451,360 @@ pub(crate) fn rope_rows<B: Backend>(
         );
     }
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([rows, d]), out, DType::F32))
+}
+
+/// Shapes of the absorbed MLA (`Mla`'s dimensions).
+#[allow(missing_docs)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MlaDims {
+    pub heads: usize,
+    pub nope: usize,
+    pub rot: usize,
+    pub vd: usize,
+    pub r: usize,
+}
+
+/// The attention kernel's queries from the query projection, in one launch: `out[t, h, ..r] = q_nope[t, h] W_uk[h]`
+/// (the absorption; `W_uk[h]` = rows `h (nope + vd) .. + nope` of `kv_b_proj` `[H (nope + vd), r]`, BF16, read as the
+/// checkpoint stores it, f32 products and sums) and `out[t, h, r..] = RoPE(q_pe[t, h])` (the same values and layout
+/// as `rope_rows`), from `q` `[N, H (nope + rot)]` and the tables `[N, rot / 2]`.
+///
+/// Block = `groups` groups of `r / 4` threads, for one head and `tb` tokens: thread `c` of a group owns columns
+/// `4c..4c + 4`; group `g` sums `j` over its `nope / groups` slice (weight rows read 8 at a time, 8-byte loads, a
+/// row of 1 KB per group), and group 0 adds the groups' sums in order (deterministic).
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+pub fn mla_query_kernel<N: Size>(
+    q: &Array<f32>,
+    w: &Array<Vector<u32, N>>,
+    cos: &Array<f32>,
+    sin: &Array<f32>,
+    out: &mut Array<f32>,
+    tokens: u32,
+    #[comptime] heads: usize,
+    #[comptime] nope: usize,
+    #[comptime] rot: usize,
+    #[comptime] vd: usize,
+    #[comptime] r: usize,
+    #[comptime] tb: usize,
+    #[comptime] groups: usize,
+    #[comptime] interleave: bool,
+) {
+    let c = UNIT_POS_X as usize;
+    let g = UNIT_POS_Y as usize;
+    let h = CUBE_POS_X as usize;
+    let t0 = CUBE_POS_Y as usize * tb;
+    let n = tokens as usize;
+    let qs = comptime!(heads * (nope + rot));
+    let rv = comptime!(r / 4);
+    let threads = comptime!(r / 4 * groups);
+    let tid = g * rv + c;
+
+    // q_nope of the block's tokens, [tb][nope]; tokens past the end repeat the last one (never written).
+    let mut sq = SharedMemory::<f32>::new(comptime!(tb * nope));
+    for it in 0..comptime!((tb * nope).div_ceil(r / 4 * groups)) {
+        let i = it * threads + tid;
+        if i < comptime!(tb * nope) {
+            let mut tok = t0 + i / nope;
+            if tok >= n {
+                tok = n - 1;
+            }
+            sq[i] = q[tok * qs + h * comptime!(nope + rot) + i % nope];
+        }
+    }
+    sync_cube();
+
+    let mut acc = Array::<f32>::new(comptime!(tb * 4));
+    #[unroll]
+    for a in 0..comptime!(tb * 4) {
+        acc[a] = f32::new(0.0);
+    }
+    let per = comptime!(nope / groups);
+    let row0 = h * comptime!(nope + vd) + g * per;
+    let mut wv = Array::<Vector<u32, N>>::new(8usize);
+    for jb in 0..comptime!(per / 8) {
+        #[unroll]
+        for u in 0..8usize {
+            wv[u] = w[(row0 + jb * 8 + u) * rv + c];
+        }
+        #[unroll]
+        for u in 0..8usize {
+            let v = wv[u];
+            let w0 = f32::reinterpret(v[0] << 16u32);
+            let w1 = f32::reinterpret((v[0] >> 16u32) << 16u32);
+            let w2 = f32::reinterpret(v[1] << 16u32);
+            let w3 = f32::reinterpret((v[1] >> 16u32) << 16u32);
+            let j = g * per + jb * 8 + u;
+            #[unroll]
+            for t in 0..tb {
+                let x = sq[t * nope + j];
+                acc[t * 4] += x * w0;
+                acc[t * 4 + 1] += x * w1;
+                acc[t * 4 + 2] += x * w2;
+                acc[t * 4 + 3] += x * w3;
+            }
+        }
+    }
+
+    // Groups 1.. hand their sums to group 0 through shared memory, [groups - 1][tb][r].
+    let mut red = SharedMemory::<f32>::new(comptime!((groups - 1) * tb * r + 1));
+    if g > 0 {
+        #[unroll]
+        for t in 0..tb {
+            #[unroll]
+            for e in 0..4usize {
+                red[((g - 1) * tb + t) * r + 4 * c + e] = acc[t * 4 + e];
+            }
+        }
+    }
+    sync_cube();
+    if g == 0 {
+        #[unroll]
+        for gg in 1..groups {
+            #[unroll]
+            for t in 0..tb {
+                #[unroll]
+                for e in 0..4usize {
+                    acc[t * 4 + e] += red[((gg - 1) * tb + t) * r + 4 * c + e];
+                }
+            }
+        }
+        let half = comptime!(rot / 2);
+        #[unroll]
+        for t in 0..tb {
+            let tok = t0 + t;
+            if tok < n {
+                let base = (tok * heads + h) * comptime!(r + rot);
+                #[unroll]
+                for e in 0..4usize {
+                    out[base + 4 * c + e] = acc[t * 4 + e];
+                }
+                if c < half {
+                    let qb = tok * qs + h * comptime!(nope + rot) + nope;
+                    let mut a = q[qb + c];
+                    let mut b = q[qb + half + c];
+                    if interleave {
+                        a = q[qb + 2 * c];
+                        b = q[qb + 2 * c + 1];
+                    }
+                    let cs = cos[tok * half + c];
+                    let sn = sin[tok * half + c];
+                    out[base + r + c] = a * cs - b * sn;
+                    out[base + r + half + c] = b * cs + a * sn;
+                }
+            }
+        }
+    }
+}
+
+/// The absorbed attention's output projection into `o_proj`'s input, in one launch: `out[t, h vd + v] = o_lat[t, h]
+/// . W_uv[h, v]` (`W_uv[h]` = rows `h (nope + vd) + nope .. + vd` of `kv_b_proj`, BF16, f32 products and sums), from
+/// the attention kernel's `o_lat` `[N, H, r]`. GEMV form (as eyrie-quant's `gemv_bf16`): a warp owns `ra` weight rows
+/// of one head, lane `l` streams the 16-byte vectors `l, l + 32, ..` of each, a warp sum finishes each dot product.
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+pub fn mla_output_kernel<N: Size>(
+    o_lat: &Array<Vector<f32, N>>,
+    w: &Array<Vector<u32, N>>,
+    out: &mut Array<f32>,
+    tokens: u32,
+    #[comptime] heads: usize,
+    #[comptime] nope: usize,
+    #[comptime] vd: usize,
+    #[comptime] r: usize,
+    #[comptime] ra: usize,
+    #[comptime] tb: usize,
+    #[comptime] warps: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let n = tokens as usize;
+    // Output column (h, v) of the warp's first row; a block's rows never cross a head (vd % (warps ra) == 0).
+    let col0 = (CUBE_POS_X as usize * warps + warp) * ra;
+    let h = col0 / vd;
+    let v0 = col0 % vd;
+    let t0 = CUBE_POS_Y as usize * tb;
+    let kv = comptime!(r / 8);
+    let k4 = comptime!(r / 4);
+    let wrow0 = h * comptime!(nope + vd) + nope + v0;
+
+    let mut acc = Array::<f32>::new(comptime!(ra * tb));
+    #[unroll]
+    for a in 0..comptime!(ra * tb) {
+        acc[a] = f32::new(0.0);
+    }
+    let mut wv = Array::<Vector<u32, N>>::new(ra);
+    for i in 0..comptime!(kv.div_ceil(32)) {
+        let vi = lane + 32 * i;
+        if vi < kv {
+            #[unroll]
+            for q in 0..ra {
+                wv[q] = w[(wrow0 + q) * kv + vi];
+            }
+            #[unroll]
+            for t in 0..tb {
+                let mut tok = t0 + t;
+                if tok >= n {
+                    tok = n - 1;
+                }
+                let xb = (tok * heads + h) * k4;
+                let x0 = o_lat[xb + 2 * vi];
+                let x1 = o_lat[xb + 2 * vi + 1];
+                #[unroll]
+                for q in 0..ra {
+                    let a = wv[q];
+                    let mut s = f32::reinterpret(a[0] << 16u32) * x0[0];
+                    s += f32::reinterpret((a[0] >> 16u32) << 16u32) * x0[1];
+                    s += f32::reinterpret(a[1] << 16u32) * x0[2];
+                    s += f32::reinterpret((a[1] >> 16u32) << 16u32) * x0[3];
+                    s += f32::reinterpret(a[2] << 16u32) * x1[0];
+                    s += f32::reinterpret((a[2] >> 16u32) << 16u32) * x1[1];
+                    s += f32::reinterpret(a[3] << 16u32) * x1[2];
+                    s += f32::reinterpret((a[3] >> 16u32) << 16u32) * x1[3];
+                    acc[q * tb + t] += s;
+                }
+            }
+        }
+    }
+    #[unroll]
+    for q in 0..ra {
+        #[unroll]
+        for t in 0..tb {
+            let s = plane_sum(acc[q * tb + t]);
+            let tok = t0 + t;
+            if lane == 0 && tok < n {
+                out[tok * comptime!(heads * vd) + col0 + q] = s;
+            }
+        }
+    }
+}
+
+/// Absorbed MLA on CUDA from the query projection to `o_proj`'s input, in three launches: [`mla_query_kernel`]
+/// (absorption of `q_nope` and RoPE of `q_pe`, f32-exact with the BF16 `kv_b_proj`), eyrie-quant's attention
+/// kernel over the paged cache, [`mla_output_kernel`]. `q` `[N, H (nope + rot)]` f32, `kv_b` `[H (nope + vd), r]`
+/// BF16, `cos`/`sin` `[N, rot / 2]`, `pool` `[slots, r + rot]` -> `[N, H vd]`; `None` (the caller runs its burn
+/// ops) when not CUDA, other dtypes, or shapes the kernels do not take.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_absorbed<B: Backend>(
+    q: &Tensor<B, 2>,
+    kv_b: &Tensor<B, 2>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    interleave: bool,
+    pool: &Tensor<B, 2>,
+    rows: &eyrie_quant::cuda::attention::PagedRows,
+    scale: f64,
+    dims: MlaDims,
+) -> Option<Tensor<B, 2>> {
+    use eyrie_quant::cuda::attention::{AttentionConfig, MAX_ROWS, mla_attention};
+    let MlaDims { heads, nope, rot, vd, r } = dims;
+    let [n, qw] = q.dims();
+    let [slots, width] = pool.dims();
+    let half = rot / 2;
+    let shapes_ok = n > 0
+        && n <= MAX_ROWS
+        && n == rows.rows()
+        && qw == heads * (nope + rot)
+        && kv_b.dims() == [heads * (nope + vd), r]
+        && cos.dims() == [n, half]
+        && sin.dims() == [n, half]
+        && width == r + rot
+        && r.is_multiple_of(128)
+        && r / 4 >= half
+        && rot.is_multiple_of(4)
+        && nope.is_multiple_of(8)
+        && vd.is_multiple_of(32);
+    if !is_cuda::<B>() || !shapes_ok {
+        return None;
+    }
+    let f32s = [q.dtype(), cos.dtype(), sin.dtype(), pool.dtype()];
+    if kv_b.dtype() != DType::BF16 || f32s.iter().any(|d| *d != DType::F32) {
+        return None;
+    }
+    let qc = float(q.clone())?;
+    let wc = float(kv_b.clone())?;
+    let cc = float(cos.clone())?;
+    let sc = float(sin.clone())?;
+    let pc = float(pool.clone())?;
+    let client = qc.client.clone();
+    type Cu = cubecl::cuda::CudaRuntime;
+
+    // 1. Queries [N, H, r + rot].
+    let (tb, groups) = match n {
+        1 => (1, 4),
+        2 => (2, 4),
+        3 | 4 => (4, 4),
+        5..=16 => (8, 2),
+        _ => (16, 1),
+    };
+    let groups = if nope.is_multiple_of(8 * groups) { groups } else { 1 };
+    let query = client.empty(n * heads * (r + rot) * 4);
+    // SAFETY: shapes checked above (all contiguous); block (h, token tile) reads q rows < n, kv_b rows of head h
+    // (4-byte words `(row * r / 4 + c) * 2 .. + 2`, c < r / 4), table rows < n, and writes out rows < n.
+    unsafe {
+        mla_query_kernel::launch_unchecked::<Cu>(
+            &client,
+            CubeCount::Static(heads as u32, n.div_ceil(tb) as u32, 1),
+            CubeDim::new_2d((r / 4) as u32, groups as u32),
+            AddressType::from_len((n * qw).max(heads * (nope + vd) * r / 2).max(n * heads * (r + rot))),
+            2,
+            ArrayArg::from_raw_parts(qc.handle.clone(), n * qw),
+            ArrayArg::from_raw_parts(wc.handle.clone(), heads * (nope + vd) * r / 4),
+            ArrayArg::from_raw_parts(cc.handle.clone(), n * half),
+            ArrayArg::from_raw_parts(sc.handle.clone(), n * half),
+            ArrayArg::from_raw_parts(query.clone(), n * heads * (r + rot)),
+            n as u32,
+            heads,
+            nope,
+            rot,
+            vd,
+            r,
+            tb,
+            groups,
+            interleave,
+        );
+    }
+
+    // 2. Attention over the paged cache -> o_lat [N, H, r].
+    let props = client.properties();
+    let sms = props.hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
+    let smem = props.hardware.max_shared_memory_size;
+    let max_len = rows.row_len.iter().copied().max().unwrap_or(0) as usize;
+    let cfg = AttentionConfig::new(n, heads, max_len, width, sms, smem)?;
+    let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
+    let o_lat = client.empty(n * heads * r * 4);
+    mla_attention(&client, &query, &pc.handle, slots, rows, &meta, &o_lat, heads, r, rot, scale as f32, cfg).ok()?;
+
+    // 3. Output [N, H vd].
+    let (tb, ra, warps) = match n {
+        1 => (1, 4, 8),
+        2 => (2, 4, 8),
+        3 | 4 => (4, 4, 8),
+        _ => (8, 2, 8),
+    };
+    let (ra, warps) = if vd.is_multiple_of(ra * warps) { (ra, warps) } else { (1, 1) };
+    let out = client.empty(n * heads * vd * 4);
+    // SAFETY: o_lat holds [n, heads, r] (r % 8 == 0: whole 16-byte vectors), kv_b [heads (nope + vd), r]; the grid
+    // covers heads * vd columns exactly (vd % (warps * ra) == 0), token indices are clamped and written only < n.
+    unsafe {
+        mla_output_kernel::launch_unchecked::<Cu>(
+            &client,
+            CubeCount::Static((heads * vd / (warps * ra)) as u32, n.div_ceil(tb) as u32, 1),
+            CubeDim::new_2d(32, warps as u32),
+            AddressType::from_len((n * heads * r).max(heads * (nope + vd) * r / 2).max(n * heads * vd)),
+            4,
+            ArrayArg::from_raw_parts(o_lat, n * heads * r / 4),
+            ArrayArg::from_raw_parts(wc.handle.clone(), heads * (nope + vd) * r / 8),
+            ArrayArg::from_raw_parts(out.clone(), n * heads * vd),
+            n as u32,
+            heads,
+            nope,
+            vd,
+            r,
+            ra,
+            tb,
+            warps,
+        );
+    }
+    back::<B, 2>(Cube::new_contiguous(client, qc.device.clone(), Shape::new([n, heads * vd]), out, DType::F32))
 }

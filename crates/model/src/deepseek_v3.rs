@@ -75,8 +75,7 @@ impl<B: Backend> DecoderLayer<B> {
     ) -> Tensor<B, 2> {
         let attn =
             self.self_attn.forward_absorbed(self.input_layernorm.forward(x.clone()), rope, tables, cache, layer, spans);
-        let h = x + attn;
-        let normed = self.post_attention_layernorm.forward(h.clone());
+        let (h, normed) = self.post_attention_layernorm.forward_add(x, attn);
         let ffn = match &self.mlp {
             FeedForward::Dense(mlp) => mlp.forward(normed),
             FeedForward::Moe(moe) => moe.forward(normed),

@@ -7,11 +7,12 @@
 //! is a multiple of 32 dividing both widths; [`FusedExperts::from_experts`] says no otherwise).
 //!
 //! Which path a step takes ([`FusedExperts::run`]):
-//! - the kernel, on CUDA, for up to [`KERNEL_MAX_PAIRS`] token-expert pairs (decode and verification widths).
+//! - the kernel, on CUDA, for up to [`KERNEL_MAX_PAIRS`] token-expert pairs (decode, verification and prefill
+//!   chunks of up to 8192 tokens).
 //!   Activations stay f32 (no BF16 rounding of the inputs); the kernel multiplies each weight's exact value
 //!   `q * scale` where compressed-tensors rounds that product to BF16 first, a difference of about 2e-3 of the
 //!   output's norm (`bench/REPORT.md`, fused INT4 MoE correctness);
-//! - otherwise (prefill widths, or a backend without the kernel) each selected expert is dequantized from the
+//! - otherwise (wider steps, or a backend without the kernel) each selected expert is dequantized from the
 //!   fused buffers, bit for bit the weights [`Expert::forward`] uses, and runs on its rows as before.
 
 use burn::tensor::backend::Backend;
@@ -23,10 +24,12 @@ use eyrie_quant::cuda::MoeShape;
 use crate::linear::StoredLinear;
 use crate::mlp::Expert;
 
-/// Largest number of (token, expert) pairs a step sends through the kernel: the widths it was built and tuned
-/// for (256 tokens of top-8 at most; 2048 pairs is 8 tokens per expert on average at Kimi-K2's 384 experts).
-/// Wider steps (prefill chunks) take the dequantize-and-matmul path, whose matmuls use tensor cores.
-pub const KERNEL_MAX_PAIRS: usize = 2048;
+/// Largest number of (token, expert) pairs a step sends through the kernel: 8192 tokens of top-8, a whole prefill
+/// chunk. It was tuned for decode widths (1..256 tokens) but takes any count (an expert's tokens go 1, 2 or 4 a
+/// pass over its weights), and at prefill widths it beats dequantizing each expert for a matmul by far (a 10-layer
+/// Kimi-K2 slice prefilled 8k tokens in 60 s that way, bench/REPORT.md). Its scratch is `pairs x (inter + hidden)`
+/// f32 (2.4 GB at this limit for Kimi-K2); wider steps take the dequantize-and-matmul path.
+pub const KERNEL_MAX_PAIRS: usize = 65_536;
 
 /// One MoE block's routed experts in the kernel layout (see the module docs).
 #[derive(Debug, Clone)]

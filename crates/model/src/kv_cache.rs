@@ -266,8 +266,34 @@ impl<B: Backend> Mla<B> {
             (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank);
         let device = x.device();
 
-        // [N, H*(nope+rot)] -> [1, H, N, nope+rot]
+        // [N, H*(nope+rot)]
         let q_rows = self.q.forward(x.clone());
+
+        // New latents: normalized c_kv and post-RoPE k_pe, [N, r + rot].
+        let kv_a = self.kv_a_proj_with_mqa.forward(x);
+        let c_kv = self.kv_a_layernorm.forward(kv_a.clone().narrow(1, 0, r));
+        let k_pe = rope.apply_rows(kv_a, r, rot, 1, tables);
+        let latents = Tensor::cat(vec![c_kv, k_pe], 1);
+        cache.write_spans(layer, spans, latents);
+
+        // On CUDA: absorption, RoPE, attention and the value absorption in three launches, f32-exact with the BF16
+        // kv_b_proj (no cast of it, no TF32 matmul).
+        #[cfg(feature = "cuda")]
+        if let Some(o) = crate::cuda_ops::mla_absorbed(
+            &q_rows,
+            &self.kv_b_proj.weight,
+            &tables.cos,
+            &tables.sin,
+            rope.interleave,
+            &cache.pools[layer],
+            &cache.paged_rows(spans),
+            self.softmax_scale,
+            crate::cuda_ops::MlaDims { heads: h, nope, rot, vd, r },
+        ) {
+            return self.o_proj.forward(o).reshape([n, d]);
+        }
+
+        // [N, H*(nope+rot)] -> [1, H, N, nope+rot]
         let q = q_rows.clone().reshape([1, n, h, nope + rot]).swap_dims(1, 2);
         // [H, N, nope]
         let q_nope = q.narrow(3, 0, nope).reshape([h, n, nope]);
@@ -276,13 +302,6 @@ impl<B: Backend> Mla<B> {
             .apply_rows(q_rows.reshape([n * h, nope + rot]), nope, rot, h, tables)
             .reshape([n, h, rot])
             .swap_dims(0, 1);
-
-        // New latents: normalized c_kv and post-RoPE k_pe, [N, r + rot].
-        let kv_a = self.kv_a_proj_with_mqa.forward(x);
-        let c_kv = self.kv_a_layernorm.forward(kv_a.clone().narrow(1, 0, r));
-        let k_pe = rope.apply_rows(kv_a, r, rot, 1, tables);
-        let latents = Tensor::cat(vec![c_kv, k_pe], 1);
-        cache.write_spans(layer, spans, latents);
 
         // kv_b_proj.weight [H*(nope+vd), r] -> [H, nope+vd, r]
         let w_kv_b = self.kv_b_proj.weight.clone().cast(burn::tensor::FloatDType::F32).reshape([h, nope + vd, r]);

@@ -40,6 +40,16 @@ impl<B: Backend> RmsNorm<B> {
         // [width] -> [1, .., 1, width], broadcast over the leading dims.
         normed * self.weight.clone().unsqueeze::<D>()
     }
+
+    /// The residual update and its norm: `h = x + res` and `forward(h)`, `[n, width]` each; on CUDA one launch.
+    pub fn forward_add(&self, x: Tensor<B, 2>, res: Tensor<B, 2>) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        #[cfg(feature = "cuda")]
+        if let Some(pair) = crate::cuda_ops::add_rms_norm(&x, &res, &self.weight, self.eps) {
+            return pair;
+        }
+        let h = x + res;
+        (h.clone(), self.forward(h))
+    }
 }
 
 #[cfg(test)]

@@ -118,8 +118,7 @@ impl<B: Backend> DeepseekV3<B> {
                 i,
                 &spans,
             );
-            let h = x + attn;
-            let normed = layer.post_attention_layernorm.forward(h.clone());
+            let (h, normed) = layer.post_attention_layernorm.forward_add(x, attn);
             let ffn = match &layer.mlp {
                 FeedForward::Dense(mlp) => mlp.forward(normed),
                 FeedForward::Moe(moe) => moe.forward(normed),

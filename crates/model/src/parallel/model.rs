@@ -264,9 +264,9 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         if self.spec.tp > 1 && !self.spec.tp_contributes() {
             attn = Tensor::zeros([n, d], &device);
         }
-        let h = x + if self.spec.tp > 1 { comm.all_reduce_sum(attn)? } else { attn };
-        // [n, d]
-        let normed = layer.post_attention_layernorm.forward(h.clone());
+        let attn = if self.spec.tp > 1 { comm.all_reduce_sum(attn)? } else { attn };
+        // [n, d] each
+        let (h, normed) = layer.post_attention_layernorm.forward_add(x, attn);
         let ffn = match &layer.mlp {
             ShardedFeedForward::Dense(mlp) => {
                 if self.spec.tp == 1 {
