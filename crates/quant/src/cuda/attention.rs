@@ -180,8 +180,11 @@ impl AttentionConfig {
     /// The shape for `rows` query rows of `heads` heads over at most `max_len` positions, latents of width `d`, on
     /// a device with `sms` multiprocessors and `smem` bytes of shared memory per block: as many warps as the
     /// heads fill (at most 8: all 64 of Kimi's heads read each latent tile once) and the shared memory allows, then
-    /// enough slices to give every multiprocessor about two blocks, each slice at least 128 positions (a block
-    /// loads its queries once: 147 KB for 64 heads).
+    /// enough slices (of at least 32 positions) to give every multiprocessor at most one block; when even 32-position
+    /// slices leave multiprocessors idle (one or two rows over short contexts), half the warps a block and twice the
+    /// blocks. Tuned on the H200 (`gpu_attention --sweep`, bench/REPORT.md): batch 1 at 1k 135 -> 69 us a layer,
+    /// batch 8 at 1k 135 -> 98 us, batch 8 at 8k 596 -> 545 us, batch 32 at 1k 330 -> 298 us against the previous
+    /// two-blocks-a-multiprocessor, 128-position-minimum choice.
     pub fn new(rows: usize, heads: usize, max_len: usize, d: usize, sms: usize, smem: usize) -> Option<Self> {
         let mut warps = heads.div_ceil(8).clamp(1, 8);
         while warps > 1 && attention_shared_bytes(d, warps) > smem {
@@ -190,9 +193,14 @@ impl AttentionConfig {
         if attention_shared_bytes(d, warps) > smem || rows == 0 || max_len == 0 {
             return None;
         }
-        let blocks = rows * heads.div_ceil(8 * warps);
         let tiles = max_len.div_ceil(32);
-        let want = (2 * sms).div_ceil(blocks).clamp(1, tiles.div_ceil(4));
+        let per_split = |warps: usize| rows * heads.div_ceil(8 * warps);
+        if warps >= 2 && per_split(warps) * tiles < sms {
+            warps /= 2;
+        }
+        // At most one wave: a few blocks past a multiple of the multiprocessors cost a whole second wave (batch 32
+        // at 1k: 5 slices = 160 blocks 498 us, 4 slices = 128 blocks 298 us).
+        let want = (sms / per_split(warps)).clamp(1, tiles);
         let chunk = tiles.div_ceil(want) * 32;
         Some(Self { warps, splits: max_len.div_ceil(chunk), chunk })
     }
@@ -779,9 +787,26 @@ mod tests {
         let c = AttentionConfig::new(8, 64, 8192, 576, 132, 227 * 1024).unwrap();
         assert_eq!(c.warps, 8);
         assert!(c.splits * c.chunk >= 8192 && c.chunk.is_multiple_of(32));
-        assert!(8 * c.splits >= 132, "every multiprocessor gets a block: {c:?}");
-        // Short contexts: slices of at least 128 positions.
-        assert!(AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024).unwrap().chunk >= 128);
+        assert!(8 * c.splits >= 120, "about every multiprocessor gets a block: {c:?}");
+        // The H200 sweep's best shapes: batch 8 at 1k (16 slices of 64), batch 8 at 8k (16 of 512), batch 32 at 1k
+        // (4 of 256: one wave of 128 blocks).
+        assert_eq!(
+            AttentionConfig::new(8, 64, 1024, 576, 132, 227 * 1024),
+            Some(AttentionConfig { warps: 8, splits: 16, chunk: 64 })
+        );
+        assert_eq!(
+            AttentionConfig::new(8, 64, 8192, 576, 132, 227 * 1024),
+            Some(AttentionConfig { warps: 8, splits: 16, chunk: 512 })
+        );
+        assert_eq!(
+            AttentionConfig::new(32, 64, 1024, 576, 132, 227 * 1024),
+            Some(AttentionConfig { warps: 8, splits: 4, chunk: 256 })
+        );
+        // One row over a short context: 32-position slices and two head groups of 4 warps (64 blocks).
+        assert_eq!(
+            AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024),
+            Some(AttentionConfig { warps: 4, splits: 32, chunk: 32 })
+        );
         // SM120: 99 KiB per block allows one warp (8 heads) with a 576-wide latent tile.
         let c = AttentionConfig::new(1, 64, 1000, 576, 188, 99 * 1024).unwrap();
         assert_eq!(c.warps, 1);
