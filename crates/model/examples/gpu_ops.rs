@@ -148,6 +148,61 @@ fn main() -> Result<(), Error> {
         rows.push(serde_json::json!({"op": "linear_bf16", "n": n, "in": inp, "out": out, "error": e,
             "generic_error": e_generic, "kernel_us": us, "generic_us": us_generic, "ok": ok}));
     }
+    // An MLP at decode widths (`Mlp::forward`: gate, up and SiLU * up in one launch, `cuda_ops::gemv_swiglu_pair`,
+    // then the down GEMV), Kimi-K2's shared-expert shape, against f64 (the activation rounded to f32 as the GPU
+    // stores it).
+    for n in [1usize, 8] {
+        let (d, inter) = (7168usize, 2048usize);
+        let x: Vec<f32> = (0..n * d).map(|_| (rng.next_f32() - 0.5) * 4.0).collect();
+        let mut mats = Vec::new();
+        for (o, i) in [(inter, d), (inter, d), (d, inter)] {
+            let v: Vec<f32> =
+                (0..o * i).map(|_| half::bf16::from_f32((rng.next_f32() - 0.5) / 16.0).to_f32()).collect();
+            mats.push(v);
+        }
+        let lin = |v: &Vec<f32>, o: usize, i: usize| {
+            Linear::from_weight(
+                Tensor::<B, 2>::from_data(TensorData::new(v.clone(), [o, i]), &device).cast(FloatDType::BF16),
+            )
+        };
+        let mlp = eyrie_model::mlp::Mlp {
+            gate_proj: lin(&mats[0], inter, d),
+            up_proj: lin(&mats[1], inter, d),
+            down_proj: lin(&mats[2], d, inter),
+        };
+        let xt = Tensor::<B, 2>::from_data(TensorData::new(x.clone(), [n, d]), &device);
+        let got = host(mlp.forward(xt.clone()));
+        let mut want = vec![0.0f64; n * d];
+        for t in 0..n {
+            let h: Vec<f32> = (0..inter)
+                .map(|r| {
+                    let dot = |w: &Vec<f32>| -> f64 {
+                        (0..d).map(|c| f64::from(x[t * d + c]) * f64::from(w[r * d + c])).sum()
+                    };
+                    let g = dot(&mats[0]);
+                    (g / (1.0 + (-g).exp()) * dot(&mats[1])) as f32
+                })
+                .collect();
+            for o in 0..d {
+                want[t * d + o] = (0..inter).map(|c| f64::from(h[c]) * f64::from(mats[2][o * inter + c])).sum();
+            }
+        }
+        let generic = |x: Tensor<B, 2>| {
+            let h = burn::tensor::activation::silu(mlp.gate_proj.forward(x.clone())) * mlp.up_proj.forward(x);
+            mlp.down_proj.forward(h)
+        };
+        let e = err(&got, &want);
+        let e_generic = err(&host(generic(xt.clone())), &want);
+        let ok = e <= 1e-5;
+        failed |= !ok;
+        let us = time(&device, || drop(mlp.forward(xt.clone())));
+        let us_generic = time(&device, || drop(generic(xt.clone())));
+        println!(
+            "| mlp (SwiGLU GEMV + down) | {n} x {d} -> {inter} -> {d} | {e:.1e} | {e_generic:.1e} | {us:.1} | {us_generic:.1} | {ok} |"
+        );
+        rows.push(serde_json::json!({"op": "mlp_swiglu", "n": n, "error": e, "generic_error": e_generic,
+            "kernel_us": us, "generic_us": us_generic, "ok": ok}));
+    }
     // RoPE on row groups (`RotaryEmbedding::apply_rows`): the queries' rotary parts (64 heads a token, columns
     // 128..192 of each head's row) and the keys' (columns 512..576 of kv_a), both pair layouts.
     let inv_freq: Vec<f32> = (0..32).map(|i| 1.0 / 50_000f32.powf(2.0 * i as f32 / 64.0)).collect();

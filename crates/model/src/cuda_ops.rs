@@ -10,7 +10,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Int, Shape, Tensor, TensorPrimitive};
 use burn_cubecl::kernel::into_contiguous;
 use cubecl::prelude::*;
-use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16};
+use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16, gemv_swiglu};
 use eyrie_quant::cuda::gemm::{Blas, gemm_f32_bf16w};
 
 /// burn's CUDA tensor primitive (float and int alike).
@@ -84,6 +84,32 @@ pub(crate) fn gemv<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Ten
     let out = client.empty(n * rows * 4);
     let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
     gemv_bf16(&client, &xc.handle, &wc.handle, &out, n, rows, k, GemvConfig::for_shape(n, rows, 2 * sms)).ok()?;
+    back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
+}
+
+/// `silu(x Wg^T) * (x Wu^T)` for `x` `[n, k]` f32 and BF16 `Wg`, `Wu` `[rows, k]` in one launch of eyrie-quant's
+/// SwiGLU GEMV (an MLP's gate and up projections with the activation), or `None` as [`gemv`].
+pub(crate) fn gemv_swiglu_pair<B: Backend>(
+    x: &Tensor<B, 2>,
+    wg: &Tensor<B, 2>,
+    wu: &Tensor<B, 2>,
+) -> Option<Tensor<B, 2>> {
+    let [n, k] = x.dims();
+    let [rows, kw] = wg.dims();
+    if !is_cuda::<B>() || n == 0 || n > GEMV_MAX_TOKENS || kw != k || !k.is_multiple_of(8) || wu.dims() != [rows, k] {
+        return None;
+    }
+    if wg.dtype() != DType::BF16 || wu.dtype() != DType::BF16 || x.dtype() != DType::F32 {
+        return None;
+    }
+    let xc = float(x.clone())?;
+    let gc = float(wg.clone())?;
+    let uc = float(wu.clone())?;
+    let client = xc.client.clone();
+    let out = client.empty(n * rows * 4);
+    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
+    let cfg = GemvConfig::for_shape(n, rows, 2 * sms);
+    gemv_swiglu(&client, &xc.handle, &gc.handle, &uc.handle, &out, n, rows, k, cfg).ok()?;
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
 }
 

@@ -21,6 +21,11 @@ pub struct Mlp<B: Backend> {
 impl<B: Backend> Mlp<B> {
     /// `[n, d] -> [n, d]`.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        // On CUDA at decode widths: gate, up and the activation in one launch (`cuda_ops::gemv_swiglu_pair`).
+        #[cfg(feature = "cuda")]
+        if let Some(h) = crate::cuda_ops::gemv_swiglu_pair(&x, &self.gate_proj.weight, &self.up_proj.weight) {
+            return self.down_proj.forward(h);
+        }
         // [n, inter]
         let h = silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x);
         self.down_proj.forward(h)

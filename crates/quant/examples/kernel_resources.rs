@@ -275,9 +275,10 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                 KernelSpec::Copy => json!({}),
                 KernelSpec::MlaAttention { r, rot, warps } => json!({"r": r, "rot": rot, "warps": warps}),
                 KernelSpec::MlaCombine { r } => json!({"r": r}),
-                KernelSpec::Gemv { k, cfg } => {
+                KernelSpec::Gemv { k, cfg } | KernelSpec::GemvSwiglu { k, cfg } => {
                     json!({"k": k, "warps": cfg.warps, "rows_at_once": cfg.rows_at_once, "tb": cfg.tb})
                 }
+                KernelSpec::SplitBf16x3 | KernelSpec::Sum3 => json!({}),
             };
             json!({
                 "entry": r.src.entry,

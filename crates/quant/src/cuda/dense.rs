@@ -28,8 +28,30 @@ pub fn gemv_reference(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize
     out
 }
 
+/// The SwiGLU of two BF16 weights, `out[t, r] = silu(x_t . Wg[r]) * (x_t . Wu[r])` (the gate and up projections of
+/// an MLP in one pass), `[n, rows]`, f64 dot products and activation.
+pub fn swiglu_reference(x: &[f32], wg_bits: &[u16], wu_bits: &[u16], n: usize, rows: usize, k: usize) -> Vec<f32> {
+    let g = gemv_reference_f64(x, wg_bits, n, rows, k);
+    let u = gemv_reference_f64(x, wu_bits, n, rows, k);
+    g.iter().zip(&u).map(|(&g, &u)| (g / (1.0 + (-g).exp()) * u) as f32).collect()
+}
+
+fn gemv_reference_f64(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize) -> Vec<f64> {
+    assert_eq!(x.len(), n * k, "x is [n, k]");
+    assert_eq!(w_bits.len(), rows * k, "W is [rows, k]");
+    let mut out = vec![0.0f64; n * rows];
+    for t in 0..n {
+        for r in 0..rows {
+            out[t * rows + r] = (0..k)
+                .map(|c| f64::from(x[t * k + c]) * f64::from(f32::from_bits(u32::from(w_bits[r * k + c]) << 16)))
+                .sum();
+        }
+    }
+    out
+}
+
 #[cfg(feature = "cuda")]
-pub use gpu::{GemvConfig, gemv_bf16, gemv_bf16_kernel};
+pub use gpu::{GemvConfig, gemv_bf16, gemv_bf16_kernel, gemv_swiglu, gemv_swiglu_kernel};
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -162,6 +184,146 @@ mod gpu {
         }
     }
 
+    /// [`gemv_bf16_kernel`] over two matrices at once, the gate and up projections of an MLP, writing
+    /// `silu(gate) * up` (SwiGLU): one launch where the generic path has two GEMVs, a SiLU and a product. Each warp
+    /// owns `rows_at_once` rows of both matrices (twice the loads in flight of the plain kernel).
+    #[cube(launch_unchecked, address_type = "dynamic")]
+    #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
+    pub fn gemv_swiglu_kernel<N: Size>(
+        x: &Array<Vector<f32, N>>,
+        wg: &Array<Vector<u32, N>>,
+        wu: &Array<Vector<u32, N>>,
+        out: &mut Array<f32>,
+        tokens: u32,
+        rows: u32,
+        #[comptime] k: usize,
+        #[comptime] rows_at_once: usize,
+        #[comptime] tb: usize,
+        #[comptime] warps: usize,
+    ) {
+        let lane = UNIT_POS_X as usize;
+        let warp = UNIT_POS_Y as usize;
+        let n = tokens as usize;
+        let rows = rows as usize;
+        let kv = comptime!(k / 8);
+        let k4 = comptime!(k / 4);
+        let row0 = (CUBE_POS_X as usize * warps + warp) * rows_at_once;
+        let t0 = CUBE_POS_Y as usize * tb;
+
+        let mut acc = Array::<f32>::new(comptime!(2 * rows_at_once * tb));
+        #[unroll]
+        for a in 0..comptime!(2 * rows_at_once * tb) {
+            acc[a] = f32::new(0.0);
+        }
+        let mut wv = Array::<Vector<u32, N>>::new(comptime!(2 * rows_at_once));
+        for i in 0..comptime!(kv.div_ceil(32)) {
+            let v = lane + 32 * i;
+            if v < kv {
+                #[unroll]
+                for q in 0..rows_at_once {
+                    let mut row = row0 + q;
+                    if row >= rows {
+                        row = rows - 1;
+                    }
+                    wv[q] = wg[row * kv + v];
+                    wv[rows_at_once + q] = wu[row * kv + v];
+                }
+                #[unroll]
+                for t in 0..tb {
+                    let mut tok = t0 + t;
+                    if tok >= n {
+                        tok = n - 1;
+                    }
+                    let x0 = x[tok * k4 + 2 * v];
+                    let x1 = x[tok * k4 + 2 * v + 1];
+                    #[unroll]
+                    for q in 0..comptime!(2 * rows_at_once) {
+                        let a = wv[q];
+                        let mut s = f32::reinterpret(a[0] << 16u32) * x0[0];
+                        s += f32::reinterpret((a[0] >> 16u32) << 16u32) * x0[1];
+                        s += f32::reinterpret(a[1] << 16u32) * x0[2];
+                        s += f32::reinterpret((a[1] >> 16u32) << 16u32) * x0[3];
+                        s += f32::reinterpret(a[2] << 16u32) * x1[0];
+                        s += f32::reinterpret((a[2] >> 16u32) << 16u32) * x1[1];
+                        s += f32::reinterpret(a[3] << 16u32) * x1[2];
+                        s += f32::reinterpret((a[3] >> 16u32) << 16u32) * x1[3];
+                        acc[q * tb + t] += s;
+                    }
+                }
+            }
+        }
+        #[unroll]
+        for q in 0..rows_at_once {
+            #[unroll]
+            for t in 0..tb {
+                let g = plane_sum(acc[q * tb + t]);
+                let u = plane_sum(acc[(rows_at_once + q) * tb + t]);
+                let row = row0 + q;
+                let tok = t0 + t;
+                if lane == 0 && row < rows && tok < n {
+                    out[tok * rows + row] = g / (f32::new(1.0) + (-g).exp()) * u;
+                }
+            }
+        }
+    }
+
+    /// `out` `[n, rows]` f32 `= silu(x Wg^T) * (x Wu^T)` for `Wg`, `Wu` `[rows, k]` BF16 and `x` `[n, k]` f32 (each
+    /// buffer contiguous, row-major), in one launch of [`gemv_swiglu_kernel`]. Sizes as [`gemv_bf16`].
+    ///
+    /// # Errors
+    /// A message naming the parameter when a size does not fit (nothing is launched then).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_swiglu<R: Runtime>(
+        client: &ComputeClient<R>,
+        x: &Handle,
+        wg: &Handle,
+        wu: &Handle,
+        out: &Handle,
+        n: usize,
+        rows: usize,
+        k: usize,
+        cfg: GemvConfig,
+    ) -> Result<(), String> {
+        if n == 0 || rows == 0 || k == 0 || !k.is_multiple_of(8) {
+            return Err(format!("gemv_swiglu: n {n}, rows {rows}, k {k}: need all >= 1 and k a multiple of 8"));
+        }
+        if !matches!(cfg.tb, 1 | 2 | 4 | 8) || cfg.warps == 0 || cfg.rows_at_once == 0 {
+            return Err(format!("gemv_swiglu: launch shape {cfg:?}: tb 1, 2, 4 or 8, warps and rows_at_once >= 1"));
+        }
+        let sizes =
+            [("x", x, n * k * 4), ("wg", wg, rows * k * 2), ("wu", wu, rows * k * 2), ("out", out, n * rows * 4)];
+        for (name, h, bytes) in sizes {
+            if (h.size_in_used() as usize) < bytes {
+                return Err(format!("gemv_swiglu: {name} holds {} bytes, needs {bytes}", h.size_in_used()));
+            }
+        }
+        let per_block = cfg.warps * cfg.rows_at_once;
+        let count = CubeCount::Static(rows.div_ceil(per_block) as u32, n.div_ceil(cfg.tb) as u32, 1);
+        let address = AddressType::from_len((rows * k / 2).max(n * k).max(n * rows));
+        // SAFETY: sizes checked above; the kernel clamps row and token indices into range and writes only
+        // `out[tok * rows + row]` for `tok < n`, `row < rows`.
+        unsafe {
+            gemv_swiglu_kernel::launch_unchecked::<R>(
+                client,
+                count,
+                CubeDim::new_2d(32, cfg.warps as u32),
+                address,
+                4,
+                ArrayArg::from_raw_parts(x.clone(), n * k / 4),
+                ArrayArg::from_raw_parts(wg.clone(), rows * k / 8),
+                ArrayArg::from_raw_parts(wu.clone(), rows * k / 8),
+                ArrayArg::from_raw_parts(out.clone(), n * rows),
+                n as u32,
+                rows as u32,
+                k,
+                cfg.rows_at_once,
+                cfg.tb,
+                cfg.warps,
+            );
+        }
+        Ok(())
+    }
+
     /// `out` `[n, rows]` f32 = `x` `[n, k]` f32 times `W^T`, `W` `[rows, k]` BF16 (each buffer contiguous,
     /// row-major). `k` must be a multiple of 8 (one 16-byte vector is 8 weights); `n` and `rows` at least 1.
     ///
@@ -228,6 +390,14 @@ mod tests {
         assert!(1536usize.div_ceil(few.warps * few.rows_at_once) >= 264, "{few:?}");
         assert_eq!(GemvConfig::for_shape(8, 1536, 264), GemvConfig::for_tokens(8));
         assert_eq!(GemvConfig::for_shape(1, 163_840, 264), GemvConfig::for_tokens(1));
+    }
+
+    #[test]
+    fn swiglu_reference_is_silu_of_gate_times_up() {
+        let bits = |v: f32| (v.to_bits() >> 16) as u16;
+        // x = [1, 2]; gate row [1, 0] -> 1, up row [0.5, 0.25] -> 1: silu(1) * 1.
+        let out = swiglu_reference(&[1.0, 2.0], &[bits(1.0), bits(0.0)], &[bits(0.5), bits(0.25)], 1, 1, 2);
+        assert!((f64::from(out[0]) - 1.0 / (1.0 + (-1.0f64).exp())).abs() < 1e-7, "{out:?}");
     }
 
     #[test]

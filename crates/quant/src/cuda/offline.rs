@@ -18,7 +18,8 @@ use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
 use half::bf16;
 
 use super::attention::{mla_attention_kernel, mla_combine_kernel};
-use super::dense::gemv_bf16_kernel;
+use super::dense::{gemv_bf16_kernel, gemv_swiglu_kernel};
+use super::gemm::{split_bf16x3_kernel, sum3_kernel};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::resources::Arch;
 use super::specs::{Act, ExpertRowsSpec, KernelSpec};
@@ -247,6 +248,73 @@ fn define_gemv(k: usize, cfg: &super::dense::GemvConfig, props: &DevicePropertie
     )
 }
 
+fn define_gemv_swiglu(k: usize, cfg: &super::dense::GemvConfig, props: &DeviceProperties) -> KernelDefinition {
+    use gemv_swiglu_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let x = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let wg = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let wu = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let tokens = <u32 as LaunchArg>::expand(&(), &mut b);
+    let rows = <u32 as LaunchArg>::expand(&(), &mut b);
+    gemv_swiglu_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        x,
+        wg,
+        wu,
+        out,
+        tokens,
+        rows,
+        k,
+        cfg.rows_at_once,
+        cfg.tb,
+        cfg.warps,
+    );
+    let name = format!("gemv_swiglu_kernel_n_{VEC}");
+    b.build(
+        KernelSettings::default()
+            .cube_dim(CubeDim::new_2d(32, cfg.warps as u32))
+            .address_type(address)
+            .kernel_name(name),
+    )
+}
+
+fn define_split_bf16x3(props: &DeviceProperties) -> KernelDefinition {
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    let a = ARRAY;
+    let x = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let words = <u32 as LaunchArg>::expand(&(), &mut b);
+    split_bf16x3_kernel::expand(&mut b.scope, x, out, words);
+    b.build(
+        KernelSettings::default()
+            .cube_dim(CubeDim::new_1d(256))
+            .address_type(address)
+            .kernel_name("split_bf16x3_kernel"),
+    )
+}
+
+fn define_sum3(props: &DeviceProperties) -> KernelDefinition {
+    use sum3_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let c = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let len = <u32 as LaunchArg>::expand(&(), &mut b);
+    sum3_kernel::expand::<N>(&mut b.scope, VEC, c, out, len);
+    let name = format!("sum3_kernel_n_{VEC}");
+    b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
+}
+
 /// Compiles `spec` to CUDA C++ for `arch`, as cubecl-cuda would on a device of that architecture with CUDA
 /// bindings of version `cuda_version` (unchecked launches, as the launcher's).
 pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<CudaKernelSource, String> {
@@ -260,6 +328,9 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         }
         KernelSpec::MlaCombine { r } => (define_mla_combine(*r, &props), AddressType::U32),
         KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),
+        KernelSpec::GemvSwiglu { k, cfg } => (define_gemv_swiglu(*k, cfg, &props), AddressType::U32),
+        KernelSpec::SplitBf16x3 => (define_split_bf16x3(&props), AddressType::U32),
+        KernelSpec::Sum3 => (define_sum3(&props), AddressType::U32),
     };
     let entry = def.options.kernel_name.clone();
     let dim = def.cube_dim;

@@ -207,6 +207,17 @@ pub enum KernelSpec {
         /// Launch shape.
         cfg: crate::cuda::dense::GemvConfig,
     },
+    /// `dense::gemv_swiglu_kernel` (an MLP's gate and up GEMVs with SiLU * up).
+    GemvSwiglu {
+        /// Input width.
+        k: usize,
+        /// Launch shape.
+        cfg: crate::cuda::dense::GemvConfig,
+    },
+    /// `gemm::split_bf16x3_kernel` (the prefill GEMM's exact split of its activations).
+    SplitBf16x3,
+    /// `gemm::sum3_kernel` (the prefill GEMM's sum of its three partial products).
+    Sum3,
 }
 
 impl KernelSpec {
@@ -217,7 +228,8 @@ impl KernelSpec {
             Self::Combine { .. } | Self::Copy => CubeDim::new_1d(256),
             Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
-            Self::Gemv { cfg, .. } => CubeDim::new_2d(32, cfg.warps as u32),
+            Self::Gemv { cfg, .. } | Self::GemvSwiglu { cfg, .. } => CubeDim::new_2d(32, cfg.warps as u32),
+            Self::SplitBf16x3 | Self::Sum3 => CubeDim::new_1d(256),
         }
     }
 
@@ -232,6 +244,11 @@ impl KernelSpec {
             Self::Gemv { k, cfg } => {
                 format!("gemv_bf16 k{k} warps{} rows{} tb{}", cfg.warps, cfg.rows_at_once, cfg.tb)
             }
+            Self::GemvSwiglu { k, cfg } => {
+                format!("gemv_swiglu k{k} warps{} rows{} tb{}", cfg.warps, cfg.rows_at_once, cfg.tb)
+            }
+            Self::SplitBf16x3 => "split_bf16x3".into(),
+            Self::Sum3 => "sum3 f32x4".into(),
         }
     }
 }
@@ -269,8 +286,8 @@ pub const KIMI_DENSE_K: [usize; 6] = [7168, 1536, 512, 8192, 2048, 18432];
 
 /// Every attention specialisation the launcher can issue for latents of `r + rot` on a device of `smem_limit`
 /// bytes of shared memory a block (1 to 8 warps, as the heads of a tensor-parallel rank fill them), and the
-/// combine; then every GEMV specialisation for inputs of the widths `ks` (all token-pass widths and the block
-/// shapes `GemvConfig::for_shape` picks).
+/// combine; then every GEMV and SwiGLU-GEMV specialisation for inputs of the widths `ks` (all token-pass widths and
+/// the block shapes `GemvConfig::for_shape` picks), and the prefill GEMM's split and sum kernels.
 pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit: usize) -> Vec<KernelSpec> {
     use crate::cuda::attention::attention_shared_bytes;
     use crate::cuda::dense::GemvConfig;
@@ -284,13 +301,17 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
     for &k in ks {
         for n in 1..=16 {
             for rows in [384, 576, 1536, 16384] {
-                let spec = KernelSpec::Gemv { k, cfg: GemvConfig::for_shape(n, rows, 264) };
-                if !out.contains(&spec) {
-                    out.push(spec);
+                let cfg = GemvConfig::for_shape(n, rows, 264);
+                for spec in [KernelSpec::Gemv { k, cfg }, KernelSpec::GemvSwiglu { k, cfg }] {
+                    if !out.contains(&spec) {
+                        out.push(spec);
+                    }
                 }
             }
         }
     }
+    out.push(KernelSpec::SplitBf16x3);
+    out.push(KernelSpec::Sum3);
     out
 }
 
