@@ -248,6 +248,65 @@ fn main() -> Result<(), Error> {
             "error": e, "generic_error": e_generic, "kernel_us": us, "generic_us": us_generic, "ok": ok}),
         );
     }
+    // The new latents straight into the cache (`cuda_ops::mla_latent_write`: kv_a norm + RoPE + scatter in one
+    // launch), Kimi-K2's 512 + 64, against f64; the pool's other rows must stay as they were.
+    for (n, interleave) in [(1usize, true), (37, false)] {
+        let (r, rot, pool_rows) = (512usize, 64usize, 1000usize);
+        let (width, half) = (r + rot, rot / 2);
+        let pool0: Vec<f32> = (0..pool_rows * width).map(|_| rng.next_f32() - 0.5).collect();
+        let kv: Vec<f32> = (0..n * width).map(|_| (rng.next_f32() - 0.5) * 4.0).collect();
+        let w: Vec<f32> = (0..r).map(|_| 0.5 + rng.next_f32()).collect();
+        let cos: Vec<f32> = (0..n * half).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
+        let sin: Vec<f32> = (0..n * half).map(|_| rng.next_f32() * 2.0 - 1.0).collect();
+        let slots: Vec<u32> = (0..n).map(|i| ((i * 409 + 17) % pool_rows) as u32).collect();
+        let t2 =
+            |v: &Vec<f32>, shape: [usize; 2]| Tensor::<B, 2>::from_data(TensorData::new(v.clone(), shape), &device);
+        let pool = t2(&pool0, [pool_rows, width]);
+        let (kv_t, cos_t, sin_t) = (t2(&kv, [n, width]), t2(&cos, [n, half]), t2(&sin, [n, half]));
+        let w_t = Tensor::<B, 1>::from_data(TensorData::new(w.clone(), [r]), &device);
+        let eps = 1e-6;
+        let wrote = match eyrie_model::cuda_ops::mla_latent_write_checked(
+            &pool, &kv_t, &w_t, eps, &cos_t, &sin_t, interleave, &slots,
+        ) {
+            Ok(()) => true,
+            Err(e) => {
+                println!("mla_latent_write refused: {e}");
+                false
+            }
+        };
+        let got = host(pool.clone());
+        let mut want: Vec<f64> = pool0.iter().map(|&v| f64::from(v)).collect();
+        for t in 0..n {
+            let row = &kv[t * width..(t + 1) * width];
+            let ms = row[..r].iter().map(|v| f64::from(*v) * f64::from(*v)).sum::<f64>() / r as f64;
+            let inv = 1.0 / (ms + eps).sqrt();
+            let dst = slots[t] as usize * width;
+            for c in 0..r {
+                want[dst + c] = f64::from(row[c]) * inv * f64::from(w[c]);
+            }
+            for i in 0..half {
+                let (a, b) = if interleave { (2 * i, 2 * i + 1) } else { (i, half + i) };
+                let (a, b) = (f64::from(row[r + a]), f64::from(row[r + b]));
+                let (c, sn) = (f64::from(cos[t * half + i]), f64::from(sin[t * half + i]));
+                want[dst + r + i] = a * c - b * sn;
+                want[dst + r + half + i] = b * c + a * sn;
+            }
+        }
+        let e = err(&got, &want);
+        let untouched = (0..pool_rows)
+            .filter(|p| !slots.contains(&(*p as u32)))
+            .all(|p| got[p * width..(p + 1) * width] == pool0[p * width..(p + 1) * width]);
+        let ok = wrote && untouched && e <= 1e-6;
+        failed |= !ok;
+        let us = time(&device, || {
+            eyrie_model::cuda_ops::mla_latent_write(&pool, &kv_t, &w_t, eps, &cos_t, &sin_t, interleave, &slots);
+        });
+        println!(
+            "| mla_latent_write (other rows untouched: {untouched}) | {n} rows of 512 + 64 into {pool_rows} | {e:.1e} | - | {us:.1} | - | {ok} |"
+        );
+        rows.push(serde_json::json!({"op": "mla_latent_write", "n": n, "error": e, "untouched": untouched,
+            "kernel_us": us, "ok": ok}));
+    }
     // The absorbed MLA on CUDA (`cuda_ops::mla_absorbed`: query absorption + RoPE, attention over the paged
     // cache, value absorption) at Kimi-K2's shapes, against an f64 host reference of the same math.
     {

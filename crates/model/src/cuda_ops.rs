@@ -834,3 +834,168 @@ pub fn mla_absorbed<B: Backend>(
     }
     back::<B, 2>(Cube::new_contiguous(client, qc.device.clone(), Shape::new([n, heads * vd]), out, DType::F32))
 }
+
+/// The step's new latents straight into the cache, in one launch: for row `t` of `kv` `[N, r + rot]` (the
+/// `kv_a_proj_with_mqa` output), `pool[slots[t], ..r] = RMSNorm(kv[t, ..r]) * w` (the `kv_a_layernorm`, f32) and
+/// `pool[slots[t], r..] = RoPE(kv[t, r..])` (the same values and layout as `rope_rows`). Replaces a narrow copy,
+/// the norm, RoPE, a concatenation (two slice-assigns) and the scatter. One block of 4 warps a row; pool rows are
+/// `row_stride` floats apart (CubeCL may pitch a 2-D buffer's rows).
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+pub fn mla_latent_kernel(
+    kv: &Array<f32>,
+    w: &Array<f32>,
+    cos: &Array<f32>,
+    sin: &Array<f32>,
+    slots: &Array<u32>,
+    pool: &mut Array<f32>,
+    eps: f32,
+    row_stride: u32,
+    #[comptime] r: usize,
+    #[comptime] rot: usize,
+    #[comptime] interleave: bool,
+) {
+    let row = CUBE_POS_X as usize;
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let tid = UNIT_POS as usize;
+    let width = comptime!(r + rot);
+    let half = comptime!(rot / 2);
+    let src = row * width;
+    let mut ss = f32::new(0.0);
+    for i in 0..comptime!(r.div_ceil(128)) {
+        let c = tid + i * 128;
+        if c < r {
+            let a = kv[src + c];
+            ss += a * a;
+        }
+    }
+    let s = plane_sum(ss);
+    let mut part = SharedMemory::<f32>::new(4usize);
+    if lane == 0 {
+        part[warp] = s;
+    }
+    sync_cube();
+    let total = part[0] + part[1] + part[2] + part[3];
+    let inv = f32::new(1.0) / (total / f32::new(comptime!(r as f32)) + eps).sqrt();
+    let dst = slots[row] as usize * row_stride as usize;
+    for i in 0..comptime!(r.div_ceil(128)) {
+        let c = tid + i * 128;
+        if c < r {
+            pool[dst + c] = kv[src + c] * inv * w[c];
+        }
+    }
+    for i in 0..comptime!(half.div_ceil(128)) {
+        let j = tid + i * 128;
+        if j < half {
+            let mut a = kv[src + r + j];
+            let mut b = kv[src + r + half + j];
+            if interleave {
+                a = kv[src + r + 2 * j];
+                b = kv[src + r + 2 * j + 1];
+            }
+            let cs = cos[row * half + j];
+            let sn = sin[row * half + j];
+            pool[dst + r + j] = a * cs - b * sn;
+            pool[dst + r + half + j] = b * cs + a * sn;
+        }
+    }
+}
+
+/// Writes the step's new latents into `pool` `[P, r + rot]` in place with [`mla_latent_kernel`] from the
+/// `kv_a_proj_with_mqa` output `kv` `[N, r + rot]`, the `kv_a_layernorm` weight `[r]` and eps, the RoPE tables
+/// `[N, rot / 2]` and each row's pool row `slots`; false (nothing written; the caller runs its burn ops) when not
+/// CUDA, other dtypes or shapes, `pool`'s columns not dense, or a slot out of range.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_latent_write<B: Backend>(
+    pool: &Tensor<B, 2>,
+    kv: &Tensor<B, 2>,
+    weight: &Tensor<B, 1>,
+    eps: f64,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    interleave: bool,
+    slots: &[u32],
+) -> bool {
+    mla_latent_write_checked(pool, kv, weight, eps, cos, sin, interleave, slots).is_ok()
+}
+
+/// [`mla_latent_write`], saying why it wrote nothing.
+///
+/// # Errors
+/// The check that refused the inputs.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_latent_write_checked<B: Backend>(
+    pool: &Tensor<B, 2>,
+    kv: &Tensor<B, 2>,
+    weight: &Tensor<B, 1>,
+    eps: f64,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    interleave: bool,
+    slots: &[u32],
+) -> Result<(), String> {
+    let [n, width] = kv.dims();
+    let [pool_rows, pool_width] = pool.dims();
+    let r = weight.dims()[0];
+    if !is_cuda::<B>() {
+        return Err("not the CUDA backend".into());
+    }
+    if n == 0 || n != slots.len() || pool_width != width || r >= width {
+        return Err(format!(
+            "kv [{n}, {width}], {} slots, pool [{pool_rows}, {pool_width}], norm width {r}",
+            slots.len()
+        ));
+    }
+    let rot = width - r;
+    if !rot.is_multiple_of(2) || cos.dims() != [n, rot / 2] || sin.dims() != [n, rot / 2] {
+        return Err(format!("rot {rot}, tables {:?} / {:?}", cos.dims(), sin.dims()));
+    }
+    if let Some(s) = slots.iter().find(|&&s| s as usize >= pool_rows) {
+        return Err(format!("slot {s} outside the pool's {pool_rows} rows"));
+    }
+    let f32s = [pool.dtype(), kv.dtype(), weight.dtype(), cos.dtype(), sin.dtype()];
+    if f32s.iter().any(|d| *d != DType::F32) {
+        return Err(format!("dtypes pool, kv, weight, cos, sin: {f32s:?}"));
+    }
+    // The pool's own buffer (never a contiguous copy of it: the write must land in the cache).
+    let boxed: Box<dyn Any> = Box::new(pool.clone().into_primitive().tensor());
+    let Ok(pc) = boxed.downcast::<Cube>() else { return Err("pool is not a CubeCL tensor".into()) };
+    // Rows may be pitched (a `from_data` pool is), columns must be dense.
+    let strides = pc.meta.strides();
+    let row_stride = strides[0];
+    let span = (pool_rows - 1) * row_stride + width;
+    if strides[1] != 1 || row_stride < width || span * 4 > pc.handle.size() as usize {
+        return Err(format!("pool strides {strides:?} for [{pool_rows}, {width}] in {} bytes", pc.handle.size()));
+    }
+    let (Some(kc), Some(wc), Some(cc), Some(sc)) =
+        (float(kv.clone()), float(weight.clone()), float(cos.clone()), float(sin.clone()))
+    else {
+        return Err("an input is not a CubeCL tensor".into());
+    };
+    let client = pc.client.clone();
+    let slots_dev = client.create_from_slice(u32::as_bytes(slots));
+    // SAFETY: shapes checked above (`kv`, tables, weight contiguous; pool rows `row_stride >= width` apart inside its
+    // buffer); block `row < n` reads row `row` of `kv` and the tables, `weight` indices `< r`, and writes pool row
+    // `slots[row] < pool_rows` (checked) at columns `< width`.
+    unsafe {
+        mla_latent_kernel::launch_unchecked::<cubecl::cuda::CudaRuntime>(
+            &client,
+            CubeCount::Static(n as u32, 1, 1),
+            CubeDim::new_2d(32, 4),
+            AddressType::from_len(span),
+            ArrayArg::from_raw_parts(kc.handle.clone(), n * width),
+            ArrayArg::from_raw_parts(wc.handle.clone(), r),
+            ArrayArg::from_raw_parts(cc.handle.clone(), n * rot / 2),
+            ArrayArg::from_raw_parts(sc.handle.clone(), n * rot / 2),
+            ArrayArg::from_raw_parts(slots_dev, n),
+            ArrayArg::from_raw_parts(pc.handle.clone(), span),
+            eps as f32,
+            row_stride as u32,
+            r,
+            rot,
+            interleave,
+        );
+    }
+    Ok(())
+}

@@ -203,24 +203,63 @@ impl<B: Backend> PagedMlaCache<B> {
     /// `layer`: on CUDA one in-place scatter launch for all of them, elsewhere [`Self::write`] per span.
     pub fn write_spans(&mut self, layer: usize, spans: &[SeqSpan<'_>], latents: Tensor<B, 2>) {
         #[cfg(feature = "cuda")]
+        if let Some(slots) = self.span_slots(spans, latents.dims()[0])
+            && crate::cuda_ops::write_rows(&self.pools[layer], latents.clone(), &slots)
         {
-            let mut slots = vec![0u32; latents.dims()[0]];
-            let mut covered = 0;
-            for span in spans {
-                for j in 0..span.len {
-                    if let Some(s) = slots.get_mut(span.row + j) {
-                        *s = self.slot(span.seq, span.start + j) as u32;
-                        covered += 1;
-                    }
-                }
-            }
-            if covered == slots.len() && crate::cuda_ops::write_rows(&self.pools[layer], latents.clone(), &slots) {
-                return;
-            }
+            return;
         }
         for span in spans {
             self.write(layer, span.seq, span.start, latents.clone().narrow(0, span.row, span.len));
         }
+    }
+
+    /// The pool row of each of the `rows` rows of a step's spans, or `None` when the spans do not cover every row
+    /// exactly once.
+    pub fn span_slots(&self, spans: &[SeqSpan<'_>], rows: usize) -> Option<Vec<u32>> {
+        let mut slots = vec![0u32; rows];
+        let mut covered = 0;
+        for span in spans {
+            for j in 0..span.len {
+                *slots.get_mut(span.row + j)? = self.slot(span.seq, span.start + j) as u32;
+                covered += 1;
+            }
+        }
+        (covered == rows).then_some(slots)
+    }
+
+    /// Writes a step's new latents from the `kv_a_proj_with_mqa` output `kv_a` `[N, r + rope]`: `norm` (the
+    /// `kv_a_layernorm`) of the first `r` columns, RoPE of the rest, into layer `layer` at the spans' positions. On
+    /// CUDA one launch (`cuda_ops::mla_latent_write`); elsewhere the norm, RoPE, a concatenation and
+    /// [`Self::write_spans`].
+    pub fn write_new_latents(
+        &mut self,
+        layer: usize,
+        spans: &[SeqSpan<'_>],
+        kv_a: Tensor<B, 2>,
+        norm: &crate::rms_norm::RmsNorm<B>,
+        rope: &RotaryEmbedding,
+        tables: &RopeTables<B>,
+    ) {
+        let width = kv_a.dims()[1];
+        let r = norm.weight.dims()[0];
+        #[cfg(feature = "cuda")]
+        if let Some(slots) = self.span_slots(spans, kv_a.dims()[0])
+            && crate::cuda_ops::mla_latent_write(
+                &self.pools[layer],
+                &kv_a,
+                &norm.weight,
+                norm.eps,
+                &tables.cos,
+                &tables.sin,
+                rope.interleave,
+                &slots,
+            )
+        {
+            return;
+        }
+        let c_kv = norm.forward(kv_a.clone().narrow(1, 0, r));
+        let k_pe = rope.apply_rows(kv_a, r, width - r, 1, tables);
+        self.write_spans(layer, spans, Tensor::cat(vec![c_kv, k_pe], 1));
     }
 
     /// The latents of layer `layer` for positions `0..len`, `[len, r + rope]`.
@@ -269,12 +308,9 @@ impl<B: Backend> Mla<B> {
         // [N, H*(nope+rot)]
         let q_rows = self.q.forward(x.clone());
 
-        // New latents: normalized c_kv and post-RoPE k_pe, [N, r + rot].
+        // New latents: normalized c_kv and post-RoPE k_pe, [N, r + rot], into the cache.
         let kv_a = self.kv_a_proj_with_mqa.forward(x);
-        let c_kv = self.kv_a_layernorm.forward(kv_a.clone().narrow(1, 0, r));
-        let k_pe = rope.apply_rows(kv_a, r, rot, 1, tables);
-        let latents = Tensor::cat(vec![c_kv, k_pe], 1);
-        cache.write_spans(layer, spans, latents);
+        cache.write_new_latents(layer, spans, kv_a, &self.kv_a_layernorm, rope, tables);
 
         // On CUDA: absorption, RoPE, attention and the value absorption in three launches, f32-exact with the BF16
         // kv_b_proj (no cast of it, no TF32 matmul).
