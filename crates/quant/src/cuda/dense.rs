@@ -51,7 +51,7 @@ fn gemv_reference_f64(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize
 }
 
 #[cfg(feature = "cuda")]
-pub use gpu::{GemvConfig, gemv_bf16, gemv_bf16_kernel, gemv_swiglu, gemv_swiglu_kernel};
+pub use gpu::{GemvConfig, bf16x8_dot, gemv_bf16, gemv_bf16_kernel, gemv_swiglu, gemv_swiglu_kernel};
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -100,6 +100,22 @@ mod gpu {
             }
             c
         }
+    }
+
+    /// `sum_e W[e] x[e]` over 8 BF16 weights (the 4 words `a`, low half first) and 8 activations (`x0`, `x1`): one
+    /// 16-byte weight vector of the GEMV kernels, f32 products summed in order. Every BF16 is an f32 with its low 16
+    /// bits zero, so the weights are used exactly.
+    #[cube]
+    pub fn bf16x8_dot<N: Size>(a: Vector<u32, N>, x0: Vector<f32, N>, x1: Vector<f32, N>) -> f32 {
+        let mut s = f32::reinterpret(a[0] << 16u32) * x0[0];
+        s += f32::reinterpret((a[0] >> 16u32) << 16u32) * x0[1];
+        s += f32::reinterpret(a[1] << 16u32) * x0[2];
+        s += f32::reinterpret((a[1] >> 16u32) << 16u32) * x0[3];
+        s += f32::reinterpret(a[2] << 16u32) * x1[0];
+        s += f32::reinterpret((a[2] >> 16u32) << 16u32) * x1[1];
+        s += f32::reinterpret(a[3] << 16u32) * x1[2];
+        s += f32::reinterpret((a[3] >> 16u32) << 16u32) * x1[3];
+        s
     }
 
     /// One warp per `rows_at_once` rows, `tb` tokens per pass (module docs of `eyrie_quant::cuda::dense`).
@@ -156,16 +172,7 @@ mod gpu {
                     let x1 = x[tok * k4 + 2 * v + 1];
                     #[unroll]
                     for q in 0..rows_at_once {
-                        let a = wv[q];
-                        let mut s = f32::reinterpret(a[0] << 16u32) * x0[0];
-                        s += f32::reinterpret((a[0] >> 16u32) << 16u32) * x0[1];
-                        s += f32::reinterpret(a[1] << 16u32) * x0[2];
-                        s += f32::reinterpret((a[1] >> 16u32) << 16u32) * x0[3];
-                        s += f32::reinterpret(a[2] << 16u32) * x1[0];
-                        s += f32::reinterpret((a[2] >> 16u32) << 16u32) * x1[1];
-                        s += f32::reinterpret(a[3] << 16u32) * x1[2];
-                        s += f32::reinterpret((a[3] >> 16u32) << 16u32) * x1[3];
-                        acc[q * tb + t] += s;
+                        acc[q * tb + t] += bf16x8_dot::<N>(wv[q], x0, x1);
                     }
                 }
             }
@@ -238,16 +245,7 @@ mod gpu {
                     let x1 = x[tok * k4 + 2 * v + 1];
                     #[unroll]
                     for q in 0..comptime!(2 * rows_at_once) {
-                        let a = wv[q];
-                        let mut s = f32::reinterpret(a[0] << 16u32) * x0[0];
-                        s += f32::reinterpret((a[0] >> 16u32) << 16u32) * x0[1];
-                        s += f32::reinterpret(a[1] << 16u32) * x0[2];
-                        s += f32::reinterpret((a[1] >> 16u32) << 16u32) * x0[3];
-                        s += f32::reinterpret(a[2] << 16u32) * x1[0];
-                        s += f32::reinterpret((a[2] >> 16u32) << 16u32) * x1[1];
-                        s += f32::reinterpret(a[3] << 16u32) * x1[2];
-                        s += f32::reinterpret((a[3] >> 16u32) << 16u32) * x1[3];
-                        acc[q * tb + t] += s;
+                        acc[q * tb + t] += bf16x8_dot::<N>(wv[q], x0, x1);
                     }
                 }
             }

@@ -1,0 +1,108 @@
+//! BF16-weight Linears on CUDA: decode widths through eyrie-quant's GEMV (and the SwiGLU GEMV for an MLP's gate and
+//! up), prefill widths through its f32-precision cuBLAS GEMM (a cuBLAS handle per thread and device).
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Shape, Tensor};
+use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16, gemv_swiglu};
+use eyrie_quant::cuda::gemm::{Blas, gemm_f32_bf16w};
+
+use super::{Cube, back, float, is_cuda};
+
+/// Most tokens a step sends through the GEMV kernel; wider inputs (prefill chunks) take `gemm`.
+pub const GEMV_MAX_TOKENS: usize = 16;
+
+/// `x` `[n, k]` f32 times `W^T` for `W` `[rows, k]` BF16 through eyrie-quant's GEMV kernel, or `None` (not CUDA,
+/// other dtypes, more than [`GEMV_MAX_TOKENS`] rows, `k` not a multiple of 8).
+pub(crate) fn gemv<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Tensor<B, 2>> {
+    let [n, k] = x.dims();
+    let [rows, kw] = w.dims();
+    if !is_cuda::<B>() || n == 0 || n > GEMV_MAX_TOKENS || kw != k || !k.is_multiple_of(8) {
+        return None;
+    }
+    if w.dtype() != DType::BF16 || x.dtype() != DType::F32 {
+        return None;
+    }
+    let xc = float(x.clone())?;
+    let wc = float(w.clone())?;
+    let client = xc.client.clone();
+    let out = client.empty(n * rows * 4);
+    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
+    gemv_bf16(&client, &xc.handle, &wc.handle, &out, n, rows, k, GemvConfig::for_shape(n, rows, 2 * sms)).ok()?;
+    back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
+}
+
+/// `silu(x Wg^T) * (x Wu^T)` for `x` `[n, k]` f32 and BF16 `Wg`, `Wu` `[rows, k]` in one launch of eyrie-quant's
+/// SwiGLU GEMV (an MLP's gate and up projections with the activation), or `None` as [`gemv`].
+pub(crate) fn gemv_swiglu_pair<B: Backend>(
+    x: &Tensor<B, 2>,
+    wg: &Tensor<B, 2>,
+    wu: &Tensor<B, 2>,
+) -> Option<Tensor<B, 2>> {
+    let [n, k] = x.dims();
+    let [rows, kw] = wg.dims();
+    if !is_cuda::<B>() || n == 0 || n > GEMV_MAX_TOKENS || kw != k || !k.is_multiple_of(8) || wu.dims() != [rows, k] {
+        return None;
+    }
+    if wg.dtype() != DType::BF16 || wu.dtype() != DType::BF16 || x.dtype() != DType::F32 {
+        return None;
+    }
+    let xc = float(x.clone())?;
+    let gc = float(wg.clone())?;
+    let uc = float(wu.clone())?;
+    let client = xc.client.clone();
+    let out = client.empty(n * rows * 4);
+    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
+    let cfg = GemvConfig::for_shape(n, rows, 2 * sms);
+    gemv_swiglu(&client, &xc.handle, &gc.handle, &uc.handle, &out, n, rows, k, cfg).ok()?;
+    back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
+}
+
+thread_local! {
+    /// This thread's cuBLAS handle per CUDA device (`None`: cuBLAS could not be had there; said once on stderr).
+    static BLAS: std::cell::RefCell<std::collections::HashMap<usize, Option<std::rc::Rc<Blas>>>> =
+        std::cell::RefCell::new(std::collections::HashMap::new());
+}
+
+/// This thread's cuBLAS handle for CUDA device `ordinal`, made on first use.
+fn blas(ordinal: usize) -> Option<std::rc::Rc<Blas>> {
+    BLAS.with(|cache| {
+        cache
+            .borrow_mut()
+            .entry(ordinal)
+            .or_insert_with(|| match Blas::new(ordinal) {
+                Ok(b) => Some(std::rc::Rc::new(b)),
+                Err(e) => {
+                    eprintln!(
+                        "eyrie: no cuBLAS on CUDA device {ordinal} ({e}); prefill-width matmuls fall back to burn's \
+                         matmul (TF32, slower)"
+                    );
+                    None
+                }
+            })
+            .clone()
+    })
+}
+
+/// `x` `[n, k]` f32 times `W^T` for `W` `[rows, k]` BF16 with more than [`GEMV_MAX_TOKENS`] rows (prefill chunks):
+/// eyrie-quant's f32-exact tensor-core GEMM through cuBLAS ([`gemm_f32_bf16w`]), or `None` (not CUDA, other dtypes,
+/// `k` odd, cuBLAS missing or failing: the reason is on stderr).
+pub(crate) fn gemm<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Tensor<B, 2>> {
+    let [n, k] = x.dims();
+    let [rows, kw] = w.dims();
+    if !is_cuda::<B>() || n <= GEMV_MAX_TOKENS || kw != k || !k.is_multiple_of(2) || rows == 0 {
+        return None;
+    }
+    if w.dtype() != DType::BF16 || x.dtype() != DType::F32 {
+        return None;
+    }
+    let xc = float(x.clone())?;
+    let wc = float(w.clone())?;
+    let blas = blas(xc.device.index)?;
+    let client = xc.client.clone();
+    let out = client.empty(n * rows * 4);
+    if let Err(e) = gemm_f32_bf16w(&client, &blas, &xc.handle, &wc.handle, &out, n, rows, k) {
+        eprintln!("eyrie: cuBLAS GEMM [{n}, {k}] x [{rows}, {k}]^T failed ({e}); using burn's matmul");
+        return None;
+    }
+    back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
+}

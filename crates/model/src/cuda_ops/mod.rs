@@ -1,0 +1,83 @@
+//! The model's own CUDA kernels under burn's CUDA backend: burn's CUDA tensors are CubeCL buffers
+//! (`Cube`), so a generic `Tensor<B, _>` whose backend is CUDA is taken apart here and its buffers handed to
+//! eyrie-quant's kernels. Every entry point returns `None` when `B` is not the CUDA backend or the inputs are
+//! not the kind the kernel takes; the caller then runs its generic burn ops.
+//!
+//! By concept: [`linear`] (BF16 Linears: GEMV, SwiGLU GEMV, the cuBLAS prefill GEMM), [`norm`] (RMSNorm, with the
+//! residual add), [`rope`] (RoPE of row groups), [`mla`] (attention over the paged cache, the absorption, the cache
+//! writes); this module holds the tensor <-> buffer plumbing they share.
+
+use std::any::Any;
+
+use burn::cubecl;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorPrimitive};
+use burn_cubecl::kernel::into_contiguous;
+
+pub mod linear;
+pub mod mla;
+pub mod norm;
+pub mod rope;
+
+pub use linear::GEMV_MAX_TOKENS;
+pub(crate) use linear::{gemm, gemv, gemv_swiglu_pair};
+pub use mla::{
+    MlaDims, mla_absorbed, mla_latent_kernel, mla_latent_write, mla_latent_write_checked, mla_output_kernel,
+    mla_query_kernel,
+};
+pub(crate) use mla::{mla_attention, write_rows};
+pub use norm::rms_norm_kernel;
+pub(crate) use norm::{add_rms_norm, rms_norm};
+pub(crate) use rope::rope_rows;
+pub use rope::rope_rows_kernel;
+
+/// burn's CUDA tensor primitive (float and int alike).
+pub(crate) type Cube = burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>;
+
+/// Whether `B` is burn's CUDA backend.
+pub(crate) fn is_cuda<B: Backend>() -> bool {
+    std::any::TypeId::of::<B::FloatTensorPrimitive>() == std::any::TypeId::of::<Cube>()
+}
+
+/// `t`'s buffer, contiguous (copied only when it is not).
+pub(crate) fn float<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<Cube> {
+    let boxed: Box<dyn Any> = Box::new(t.into_primitive().tensor());
+    boxed.downcast::<Cube>().ok().map(|c| into_contiguous(*c))
+}
+
+/// An int tensor's buffer, contiguous.
+pub(crate) fn int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Option<Cube> {
+    let boxed: Box<dyn Any> = Box::new(t.into_primitive());
+    boxed.downcast::<Cube>().ok().map(|c| into_contiguous(*c))
+}
+
+/// A CUDA buffer as a float tensor of `B` (which must be the CUDA backend).
+pub(crate) fn back<B: Backend, const D: usize>(c: Cube) -> Option<Tensor<B, D>> {
+    let boxed: Box<dyn Any> = Box::new(c);
+    let prim = boxed.downcast::<B::FloatTensorPrimitive>().ok()?;
+    Some(Tensor::from_primitive(TensorPrimitive::Float(*prim)))
+}
+
+/// `t` with a contiguous buffer on CUDA (a transposed or narrowed view is copied once); unchanged elsewhere.
+pub(crate) fn contiguous<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    if !is_cuda::<B>() {
+        return t;
+    }
+    match float::<B, D>(t.clone()).and_then(back::<B, D>) {
+        Some(c) => c,
+        None => t,
+    }
+}
+
+/// An int tensor with a contiguous buffer on CUDA; unchanged elsewhere.
+pub(crate) fn contiguous_int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Tensor<B, D, Int> {
+    if !is_cuda::<B>() {
+        return t;
+    }
+    let Some(c) = int::<B, D>(t.clone()) else { return t };
+    let boxed: Box<dyn Any> = Box::new(c);
+    match boxed.downcast::<B::IntTensorPrimitive>() {
+        Ok(prim) => Tensor::from_primitive(*prim),
+        Err(_) => t,
+    }
+}
