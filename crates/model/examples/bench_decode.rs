@@ -19,7 +19,9 @@
 //! bandwidth and a launch floor (us per dependent one-element op) are measured on GPU 0.
 //!
 //! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8] [--warmup 3]
-//!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR]
+//!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR] [--compare-host-router]
+//! (`--compare-host-router`: each batch's steps timed again with the MoE routing read back to the host, as before
+//! the device router, in the same process)
 //! (`--device cpu --config fixtures/model/yarn_qlora`: the same code on the CPU backend with a small config and
 //! threads for ranks, a smoke test of this program before it spends GPU time)
 //! (a split `TxE` is tensor-parallel ways x expert-parallel ways; the group has max(T, E) GPUs, from GPU 0)
@@ -131,7 +133,12 @@ struct Row {
     collective_share: Option<f64>,
     gb: f64,
     prefill_s: f64,
+    /// Median step with the MoE routing read back to the host (`--compare-host-router`).
+    host_router_ms: Option<f64>,
 }
+
+/// `--compare-host-router`: each batch also timed with the MoE router on the host.
+static COMPARE_HOST_ROUTER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 #[allow(clippy::too_many_arguments)]
 fn run_split<B: ParallelBackend>(
@@ -145,7 +152,8 @@ fn run_split<B: ParallelBackend>(
     deadline: Instant,
 ) -> Result<Vec<Row>, Error> {
     let max_batch = batches.iter().copied().max().unwrap_or(1);
-    let blocks = max_batch * (context + steps + 4).div_ceil(BLOCK) + 1;
+    let compare = COMPARE_HOST_ROUTER.load(std::sync::atomic::Ordering::Relaxed);
+    let blocks = max_batch * (context + steps * (1 + usize::from(compare)) + 4).div_ceil(BLOCK) + 1;
     let started = Instant::now();
     eprintln!("[{:.0} s] split {tp}x{ep}: making the weights", t());
     let (mut group, device) = ParallelGroup::<B>::synthetic(config, tp, ep, first, blocks, BLOCK)?;
@@ -198,6 +206,24 @@ fn run_split<B: ParallelBackend>(
             (Some((_, a)), Some((_, b))) => Some((b - a).as_secs_f64() / elapsed.as_secs_f64()),
             _ => None,
         };
+        let host_router_ms = if compare {
+            eyrie_model::fused_moe::set_host_router(true);
+            let mut host = Vec::with_capacity(steps);
+            for i in 0..steps {
+                let one = Instant::now();
+                let done = step(&mut group, warmup + steps + i);
+                host.push(one.elapsed().as_secs_f64() * 1e3);
+                if let Err(e) = done {
+                    eyrie_model::fused_moe::set_host_router(false);
+                    return Err(e);
+                }
+            }
+            eyrie_model::fused_moe::set_host_router(false);
+            host.sort_by(f64::total_cmp);
+            Some(host[steps / 2])
+        } else {
+            None
+        };
         let spec = ShardSpec { rank: 0, tp, ep };
         // Dense weights: BF16 on CUDA (the synthetic ones are BF16 values, as a checkpoint's), f32 on the CPU.
         let dense_bytes = if eyrie_model::fused_moe::is_cuda::<B>() { 2.0 } else { 4.0 };
@@ -214,6 +240,7 @@ fn run_split<B: ParallelBackend>(
             collective_share: share,
             gb: bytes / 1e9,
             prefill_s,
+            host_router_ms,
         };
         eprintln!(
             "[{:.0} s] split {tp}x{ep} batch {batch}: {:.1} ms/step median, {:.1} mean, {:.1} max (roofline {:.2} ms), prefill {:.1} s",
@@ -296,7 +323,8 @@ fn write_json(
         .map(|r| {
             serde_json::json!({"tp": r.tp, "ep": r.ep, "gpus": r.tp.max(r.ep), "batch": r.batch,
                 "context": r.context, "ms_per_step": r.ms, "mean_ms": r.mean_ms, "max_ms": r.max_ms, "rank0_gb_per_step": r.gb,
-                "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s})
+                "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s,
+                "host_router_ms_per_step": r.host_router_ms})
         })
         .collect();
     let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic weights (INT4 routed experts; dense weights BF16 values, held BF16 on CUDA)", "layers": layers,
@@ -325,6 +353,7 @@ fn main() -> Result<(), Error> {
             "--budget-s" => budget = Duration::from_secs(value()?.parse()?),
             "--device" => cpu = value()? == "cpu",
             "--config" => config_dir = Some(value()?),
+            "--compare-host-router" => COMPARE_HOST_ROUTER.store(true, std::sync::atomic::Ordering::Relaxed),
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
@@ -363,12 +392,12 @@ fn main() -> Result<(), Error> {
         LAUNCH_US.get().copied().unwrap_or(f64::NAN)
     );
     println!(
-        "| tp | ep | GPUs | batch | ms/step | rank-0 bytes/step | roofline ms | x roofline | in collectives | prefill s |"
+        "| tp | ep | GPUs | batch | ms/step | rank-0 bytes/step | roofline ms | x roofline | in collectives | prefill s | host-router ms/step |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} GB | {:.2} | {:.1} | {} | {:.1} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} GB | {:.2} | {:.1} | {} | {:.1} | {} |",
             r.tp,
             r.ep,
             r.tp.max(r.ep),
@@ -378,7 +407,8 @@ fn main() -> Result<(), Error> {
             r.roofline_ms,
             r.ms / r.roofline_ms,
             r.collective_share.map_or("-".into(), |s| format!("{:.0}%", 100.0 * s)),
-            r.prefill_s
+            r.prefill_s,
+            r.host_router_ms.map_or("-".into(), |v| format!("{v:.1}"))
         );
     }
     for f in &failures {

@@ -4,7 +4,8 @@
 //! against the same Linear's generic f32 matmul, and RoPE on row groups in
 //! one launch (`RotaryEmbedding::apply_rows`, `cuda_ops::rope_rows`) against its generic ops, and the absorbed MLA
 //! (`cuda_ops::mla_absorbed`: query absorption + RoPE, attention over the paged cache, value absorption) against an
-//! f64 host reference (1e-5).
+//! f64 host reference (1e-5), and the MoE router on the device (`eyrie_quant::cuda::router`) against the host
+//! routing (ids and grouping exact, weights 1e-6) and a whole MoE block routed on the device vs on the host (1e-6).
 //!
 //! Tolerance, norm-wise `max|gpu - ref| / max|ref|`: 1e-6 for RMSNorm (f32, sums in another order) and RoPE against the
 //! f64 reference; 1e-5 for the GEMV and GEMM against the f64 reference (the generic path's TF32 matmul is printed beside
@@ -394,6 +395,129 @@ fn main() -> Result<(), Error> {
                 if interleave { "interleaved" } else { "rotate-half" }
             );
             rows.push(serde_json::json!({"op": "mla_absorbed", "n": n, "error": e, "kernel_us": us, "ok": ok}));
+        }
+    }
+    // The MoE router on the device (`eyrie_quant::cuda::router`: top-k and grouping kernels) against the host
+    // reference (`moe::route` on the sigmoid of the same logits, `Routing::new` of the device's choices), at
+    // Kimi-K2's router (384 experts, one group) and DeepSeek-V3's (256 experts, 8 groups, 4 kept): ids and the
+    // grouping exact, weights within 1e-6 (the sigmoid's exp differs by an ulp between host and device).
+    {
+        use eyrie_model::moe::{RouterParams, route};
+        use eyrie_quant::cuda::Routing;
+        use eyrie_quant::cuda::router::{RouterSpec, route_on_device};
+        for (experts, n_group, topk_group) in [(384usize, 1usize, 1usize), (256, 8, 4)] {
+            let spec = RouterSpec {
+                experts,
+                n_group,
+                topk_group,
+                top_k: 8,
+                norm_topk_prob: true,
+                routed_scaling_factor: 2.827,
+            };
+            let params =
+                RouterParams { top_k: 8, n_group, topk_group, norm_topk_prob: true, routed_scaling_factor: 2.827 };
+            for m in [1usize, 8, 64, 777, 8192] {
+                let logits: Vec<f32> = (0..m * experts).map(|_| (rng.next_f32() - 0.5) * 8.0).collect();
+                let bias: Vec<f32> = (0..experts).map(|_| (rng.next_f32() - 0.5) * 0.1).collect();
+                let lt = Tensor::<B, 2>::from_data(TensorData::new(logits.clone(), [m, experts]), &device);
+                let bt = Tensor::<B, 1>::from_data(TensorData::new(bias.clone(), [experts]), &device);
+                let lc = burn_cubecl::kernel::into_contiguous(lt.into_primitive().tensor());
+                let bc = burn_cubecl::kernel::into_contiguous(bt.into_primitive().tensor());
+                let client = lc.client.clone();
+                let run = || route_on_device(&client, &spec, &lc.handle, &bc.handle, m);
+                let got = run()?.read_back(&client)?;
+                let scores: Vec<f32> = logits.iter().map(|&x| (1.0 / (1.0 + (-f64::from(x)).exp())) as f32).collect();
+                let want = route(&scores, &bias, &params);
+                let ids = got.ids.clone().ok_or("the device router returned no ids")?;
+                let want_ids: Vec<u32> = want.experts.iter().map(|&e| e as u32).collect();
+                let id_mismatch = ids.iter().zip(&want_ids).filter(|(a, b)| a != b).count();
+                let w_err = got
+                    .weights
+                    .iter()
+                    .zip(&want.weights)
+                    .map(|(a, b)| f64::from((a - b).abs()) / f64::from(b.abs()))
+                    .fold(0.0, f64::max);
+                let grouping = Routing::new(&ids, m, 8, experts)?;
+                let b = grouping.class_bounds.map(|v| v as u32);
+                let grouped = got.experts == grouping.experts
+                    && got.offsets == grouping.offsets
+                    && got.pairs == grouping.pairs
+                    && got.bounds == b;
+                let ok = id_mismatch == 0 && w_err <= 1e-6 && grouped;
+                failed |= !ok;
+                let us = time(&device, || drop(run()));
+                println!(
+                    "| moe router e{experts} groups {n_group}/{topk_group} (ids differing: {id_mismatch}, grouping exact: {grouped}, bounds {b:?}) | {m} tokens | {w_err:.1e} | - | {us:.1} | - | {ok} |"
+                );
+                rows.push(serde_json::json!({"op": "moe_router", "experts": experts, "n_group": n_group,
+                    "m": m, "ids_differing": id_mismatch, "weight_error": w_err, "grouping_exact": grouped,
+                    "kernel_us": us, "ok": ok}));
+            }
+        }
+    }
+    // A whole MoE block (router, fused INT4 experts, shared expert) with the routing chosen on the device vs on
+    // the host: the same experts and weights up to the sigmoid's last bit, so outputs within 1e-6.
+    {
+        use eyrie_model::fused_moe::set_host_router;
+        use eyrie_model::linear::StoredLinear;
+        use eyrie_model::mlp::{Expert, Mlp};
+        use eyrie_model::moe::{Moe, RouterParams};
+        use eyrie_quant::burn::Int4Tensors;
+        use eyrie_quant::cuda::{MoeExperts, MoeShape};
+        let (d, inter, experts) = (1024usize, 256usize, 384usize);
+        let shape = MoeShape { hidden: d, inter, experts, group: 32 };
+        let ex = MoeExperts::random(shape, 5)?;
+        let int4 = |w: &eyrie_quant::PackedInt4| StoredLinear::Int4(Box::new(Int4Tensors::<B>::upload(w, &device)));
+        let list: Vec<Expert<B>> = (0..experts)
+            .map(|e| Expert { gate_proj: int4(ex.gate(e)), up_proj: int4(ex.up(e)), down_proj: int4(ex.down(e)) })
+            .collect();
+        let dense = |rng: &mut SplitMix64, out: usize, inp: usize, s: f32| {
+            let w: Vec<f32> = (0..out * inp).map(|_| (rng.next_f32() - 0.5) * s).collect();
+            Linear::from_weight(
+                Tensor::<B, 2>::from_data(TensorData::new(w, [out, inp]), &device).cast(FloatDType::BF16),
+            )
+        };
+        let mut moe = Moe {
+            gate: dense(&mut rng, experts, d, 0.2),
+            e_score_correction_bias: (0..experts).map(|_| (rng.next_f32() - 0.5) * 0.1).collect(),
+            experts: list,
+            fused: None,
+            shared_experts: Mlp {
+                gate_proj: dense(&mut rng, inter, d, 0.1),
+                up_proj: dense(&mut rng, inter, d, 0.1),
+                down_proj: dense(&mut rng, d, inter, 0.1),
+            },
+            params: RouterParams {
+                top_k: 8,
+                n_group: 1,
+                topk_group: 1,
+                norm_topk_prob: true,
+                routed_scaling_factor: 2.827,
+            },
+            device_router: None,
+        };
+        if !moe.fuse(false) || moe.device_router.is_none() {
+            return Err("the test block was not fused with a device router".into());
+        }
+        for m in [1usize, 8, 100, 3000] {
+            let x: Vec<f32> = (0..m * d).map(|_| (rng.next_f32() - 0.5) * 2.0).collect();
+            let xt = Tensor::<B, 2>::from_data(TensorData::new(x, [m, d]), &device);
+            set_host_router(true);
+            let host_out = host(moe.forward(xt.clone()));
+            let us_host = time(&device, || drop(moe.forward(xt.clone())));
+            set_host_router(false);
+            let dev_out = host(moe.forward(xt.clone()));
+            let us_dev = time(&device, || drop(moe.forward(xt.clone())));
+            let want: Vec<f64> = host_out.iter().map(|&v| f64::from(v)).collect();
+            let e = err(&dev_out, &want);
+            let same = dev_out == host_out;
+            let ok = e <= 1e-6;
+            failed |= !ok;
+            println!(
+                "| moe block, device vs host router (bit-identical: {same}) | {m} x {d}, 384 experts top-8 | {e:.1e} | - | {us_dev:.1} | {us_host:.1} | {ok} |"
+            );
+            rows.push(serde_json::json!({"op": "moe_block_device_router", "m": m, "error_vs_host_router": e,
+                "bit_identical": same, "kernel_us": us_dev, "host_router_us": us_host, "ok": ok}));
         }
     }
     if let Some(path) = json {

@@ -452,7 +452,15 @@ fn load_layer<B: Backend>(
                 norm_topk_prob: c.norm_topk_prob,
                 routed_scaling_factor: c.routed_scaling_factor as f32,
             };
-            let mut moe = Moe { gate, e_score_correction_bias, experts, shared_experts, params, fused: None };
+            let mut moe = Moe {
+                gate,
+                e_score_correction_bias,
+                experts,
+                shared_experts,
+                params,
+                fused: None,
+                device_router: None,
+            };
             // On CUDA the routed experts move into the fused kernel's layout (held once, not twice).
             moe.fuse(false);
             FeedForward::Moe(Box::new(moe))

@@ -12,6 +12,8 @@
 //!   Activations stay f32 (no BF16 rounding of the inputs); the kernel multiplies each weight's exact value
 //!   `q * scale` where compressed-tensors rounds that product to BF16 first, a difference of about 2e-3 of the
 //!   output's norm (`bench/REPORT.md`, fused INT4 MoE correctness);
+//!   The routing is chosen and grouped on the device ([`DeviceRouter`], `eyrie_quant::cuda::router`) when the
+//!   block's router fits it, so the layer never waits for a host read;
 //! - otherwise (wider steps, or a backend without the kernel) each selected expert is dequantized from the
 //!   fused buffers, bit for bit the weights [`Expert::forward`] uses, and runs on its rows as before.
 
@@ -20,6 +22,7 @@ use burn::tensor::{FloatDType, IndexingUpdateOp, Int, Tensor, TensorData};
 use eyrie_quant::Dtype;
 use eyrie_quant::burn::Int4Tensors;
 use eyrie_quant::cuda::MoeShape;
+use eyrie_quant::cuda::router::RouterSpec;
 
 use crate::linear::StoredLinear;
 use crate::mlp::Expert;
@@ -30,6 +33,58 @@ use crate::mlp::Expert;
 /// Kimi-K2 slice prefilled 8k tokens in 60 s that way, bench/REPORT.md). Its scratch is `pairs x (inter + hidden)`
 /// f32 (2.4 GB at this limit for Kimi-K2); wider steps take the dequantize-and-matmul path.
 pub const KERNEL_MAX_PAIRS: usize = 65_536;
+
+/// Whether the fused path routes on the host even where the device router can (benchmarks compare the two; also
+/// `EYRIE_MOE_HOST_ROUTER=1` at start-up).
+static HOST_ROUTER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Makes the fused path route on the host (`true`) or on the device where it can (`false`, the default unless
+/// `EYRIE_MOE_HOST_ROUTER=1` is set).
+pub fn set_host_router(host: bool) {
+    HOST_ROUTER.store(host, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the fused path routes on the host (see [`set_host_router`]).
+pub fn host_router() -> bool {
+    static ENV: std::sync::Once = std::sync::Once::new();
+    ENV.call_once(|| {
+        if std::env::var("EYRIE_MOE_HOST_ROUTER").is_ok_and(|v| v == "1") {
+            set_host_router(true);
+        }
+    });
+    HOST_ROUTER.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The router on the device (`eyrie_quant::cuda::router`): the kernels' spec and `e_score_correction_bias` held
+/// there, so a step's routing is chosen and grouped by two kernels and never read back to the host.
+#[derive(Debug, Clone)]
+pub struct DeviceRouter<B: Backend> {
+    /// Sizes and hyperparameters (validated).
+    pub spec: RouterSpec,
+    /// `e_score_correction_bias` `[E]`, f32.
+    pub bias: Tensor<B, 1>,
+}
+
+impl<B: Backend> DeviceRouter<B> {
+    /// The device router of a block with these hyperparameters and bias, or `None` where its kernels cannot run
+    /// it (not the CUDA backend, more experts than the grouping takes, a group layout it does not take).
+    pub fn new(params: &crate::moe::RouterParams, bias: &[f32], device: &B::Device) -> Option<Self> {
+        if !is_cuda::<B>() {
+            return None;
+        }
+        let spec = RouterSpec {
+            experts: bias.len(),
+            n_group: params.n_group,
+            topk_group: params.topk_group,
+            top_k: params.top_k,
+            norm_topk_prob: params.norm_topk_prob,
+            routed_scaling_factor: params.routed_scaling_factor,
+        };
+        spec.validate().ok()?;
+        let bias = Tensor::from_data(TensorData::new(bias.to_vec(), [bias.len()]), device);
+        Some(Self { spec, bias })
+    }
+}
 
 /// One MoE block's routed experts in the kernel layout (see the module docs).
 #[derive(Debug, Clone)]
@@ -154,6 +209,26 @@ impl<B: Backend> FusedExperts<B> {
     }
 }
 
+impl<B: Backend> FusedExperts<B> {
+    /// The routed experts on `x` `[n, d]` with the routing chosen on the device from the gate's `logits` `[n, E]`
+    /// (`router`: these experts' router): `[n, d]`, each row the weighted sum of its experts' outputs, without a
+    /// host read. `None` where the kernels cannot take it (not CUDA, not f32, more than [`KERNEL_MAX_PAIRS`]
+    /// pairs, the host router forced): the caller routes on the host.
+    pub fn run_routed_on_device(
+        &self,
+        x: Tensor<B, 2>,
+        logits: Tensor<B, 2>,
+        router: &DeviceRouter<B>,
+    ) -> Option<Tensor<B, 2>> {
+        #[cfg(feature = "cuda")]
+        if !host_router() {
+            return kernel::run_routed(self, x, logits, router);
+        }
+        let _ = (x, logits, router);
+        None
+    }
+}
+
 /// Each selected expert once, on exactly its rows (gather, SwiGLU, scale by the weight, scatter-add), as
 /// `Moe::forward` has always done. `expert(e)` gives expert `e` of `n_experts`.
 pub(crate) fn run_each<B: Backend, X: std::borrow::Borrow<Expert<B>>>(
@@ -201,10 +276,47 @@ mod kernel {
 
     use burn::tensor::backend::Backend;
     use burn::tensor::{DType, Int, Shape, Tensor, TensorData};
+    use eyrie_quant::cuda::router::route_on_device;
     use eyrie_quant::cuda::{GpuExperts, GpuRouting, Routing, moe_forward};
 
-    use super::FusedExperts;
+    use super::{DeviceRouter, FusedExperts, KERNEL_MAX_PAIRS};
     use crate::cuda_ops::{Cube, back, float, int};
+
+    /// The layer with the device router (see [`FusedExperts::run_routed_on_device`]).
+    pub(super) fn run_routed<B: Backend>(
+        f: &FusedExperts<B>,
+        x: Tensor<B, 2>,
+        logits: Tensor<B, 2>,
+        router: &DeviceRouter<B>,
+    ) -> Option<Tensor<B, 2>> {
+        let [n, d] = x.dims();
+        let spec = &router.spec;
+        if !super::is_cuda::<B>()
+            || n == 0
+            || n * spec.top_k > KERNEL_MAX_PAIRS
+            || spec.experts != f.shape.experts
+            || logits.dims() != [n, spec.experts]
+        {
+            return None;
+        }
+        let (xc, lc, bc) = (float(x)?, float(logits)?, float(router.bias.clone())?);
+        if [xc.dtype, lc.dtype, bc.dtype].iter().any(|t| *t != DType::F32) {
+            return None;
+        }
+        let client = xc.client.clone();
+        let experts = GpuExperts::from_handles(
+            f.shape,
+            int(f.w13.clone())?.handle,
+            float(f.s13.clone())?.handle,
+            int(f.w2.clone())?.handle,
+            float(f.s2.clone())?.handle,
+        )
+        .ok()?;
+        let routing = route_on_device(&client, spec, &lc.handle, &bc.handle, n).ok()?;
+        let out = client.empty(n * d * 4);
+        moe_forward::<_, f32>(&client, &experts, &xc.handle, &routing, &out);
+        back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, d]), out, DType::F32))
+    }
 
     /// `None` when this is not the CUDA backend or the activations are not f32 (the caller then takes the
     /// generic path).

@@ -11,12 +11,16 @@
 //! expert runs once on exactly the tokens routed to it (gather with `select`, SwiGLU, scale by the weight,
 //! scatter-add with `select_assign`), or, on CUDA, the fused INT4 kernel runs the layer's selected experts in
 //! three launches ([`crate::fused_moe`]). Unselected experts cost nothing. The shared expert runs on every token.
+//!
+//! On CUDA with fused experts the routing is chosen on the device instead ([`Moe::routed_on_device`]:
+//! `eyrie_quant::cuda::router`'s top-k and grouping kernels, the same math and tie-breaking as [`route`]), so a
+//! layer never waits for the host.
 
 use burn::tensor::Tensor;
 use burn::tensor::activation::sigmoid;
 use burn::tensor::backend::Backend;
 
-use crate::fused_moe::{FusedExperts, run_each};
+use crate::fused_moe::{DeviceRouter, FusedExperts, KERNEL_MAX_PAIRS, run_each};
 use crate::linear::Linear;
 use crate::mlp::{Expert, Mlp};
 
@@ -101,6 +105,8 @@ pub struct Moe<B: Backend> {
     pub shared_experts: Mlp<B>,
     /// Router hyperparameters.
     pub params: RouterParams,
+    /// The router on the device, with the fused experts on CUDA (see [`Moe::fuse`]); `None` routes on the host.
+    pub device_router: Option<DeviceRouter<B>>,
 }
 
 impl<B: Backend> Moe<B> {
@@ -125,10 +131,22 @@ impl<B: Backend> Moe<B> {
             && (force || crate::fused_moe::is_cuda::<B>())
             && let Some(f) = FusedExperts::from_experts(&self.experts)
         {
+            self.device_router = DeviceRouter::new(&self.params, &self.e_score_correction_bias, &f.w13.device());
             self.fused = Some(f);
             self.experts = Vec::new();
         }
         self.fused.is_some()
+    }
+
+    /// The routed experts on every row of `x` `[n, d]` with the routing chosen and grouped on the device (no host
+    /// read: the queue is not drained), or `None` where that path cannot run (no device router, too many pairs,
+    /// the host router forced); the shared expert is not included.
+    pub fn routed_on_device(&self, x: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
+        let (fused, router) = (self.fused.as_ref()?, self.device_router.as_ref()?);
+        if x.dims()[0] * self.params.top_k > KERNEL_MAX_PAIRS || crate::fused_moe::host_router() {
+            return None;
+        }
+        fused.run_routed_on_device(x.clone(), self.gate.forward(x), router)
     }
 
     /// The routed experts on rows of `x` `[n, d]`: `slots` are `(row, expert, weight)`, `expert` an index into
@@ -143,6 +161,9 @@ impl<B: Backend> Moe<B> {
 
     /// `[n, d] -> [n, d]`.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        if let Some(routed) = self.routed_on_device(x.clone()) {
+            return routed + self.shared_experts.forward(x);
+        }
         let routing = self.routing(x.clone());
         let k = self.params.top_k;
         let slots: Vec<(usize, usize, f32)> =

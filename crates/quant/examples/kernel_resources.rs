@@ -18,7 +18,9 @@ use anyhow::{Context, Result, bail};
 use eyrie_quant::cuda::MoeShape;
 use eyrie_quant::cuda::offline::{CudaKernelSource, cuda_source};
 use eyrie_quant::cuda::resources::{Arch, BlockNeeds, PtxasUsage, check_limits, log_errors, parse_ptxas_log};
-use eyrie_quant::cuda::specs::{KIMI_DENSE_K, KIMI_MLA, KernelSpec, attention_and_dense_specs, moe_kernel_specs};
+use eyrie_quant::cuda::specs::{
+    KIMI_DENSE_K, KIMI_MLA, KernelSpec, ROUTERS, attention_and_dense_specs, moe_kernel_specs, router_specs,
+};
 use serde_json::json;
 
 const KIMI: MoeShape = MoeShape { hidden: 7168, inter: 2048, experts: 384, group: 32 };
@@ -180,6 +182,9 @@ fn main() -> Result<()> {
     let (r, rot) = KIMI_MLA;
     let mut specs = moe_kernel_specs(&args.shape, args.topk, limit);
     specs.extend(attention_and_dense_specs(r, rot, &KIMI_DENSE_K, limit));
+    for router in &ROUTERS {
+        specs.extend(router_specs(router));
+    }
     for spec in specs {
         let src = cuda_source(&spec, args.arch, cuda_version).map_err(anyhow::Error::msg)?;
         if let Some(dir) = &args.dump {
@@ -279,6 +284,10 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     json!({"k": k, "warps": cfg.warps, "rows_at_once": cfg.rows_at_once, "tb": cfg.tb})
                 }
                 KernelSpec::SplitBf16x3 | KernelSpec::Sum3 => json!({}),
+                KernelSpec::Route { experts, n_group, topk_group, top_k, norm } => json!({
+                    "experts": experts, "n_group": n_group, "topk_group": topk_group, "top_k": top_k, "norm": norm,
+                }),
+                KernelSpec::Group { experts } => json!({"experts": experts}),
             };
             json!({
                 "entry": r.src.entry,

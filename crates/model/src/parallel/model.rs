@@ -301,6 +301,12 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         let moe = &sharded.moe;
         let mut out = if spec.ep > 1 && self.dispatch == ExpertDispatch::AllToAll {
             self.routed_all_to_all(sharded, x.clone(), comm)?
+        } else if spec.ep_contributes()
+            && sharded.first_expert == 0
+            && let Some(routed) = moe.routed_on_device(x.clone())
+        {
+            // This rank holds every expert (its device router is set only then): routed on the device.
+            routed
         } else if spec.ep_contributes() {
             let routing = moe.routing(x.clone());
             let k = moe.params.top_k;

@@ -200,9 +200,12 @@ pub(crate) fn shard_moe_as<B: Backend>(moe: &Moe<B>, spec: &ShardSpec, held: Hel
         (Some(f), false) => (Vec::new(), Some(f.narrow(range.clone()))),
         (None, false) => (moe.experts[range.clone()].to_vec(), None),
     };
+    // The device router chooses among all experts: only a rank holding them all uses it.
+    let all = range.start == 0 && range.len() == n_experts;
     ShardedMoe {
         first_expert: range.start,
         moe: Moe {
+            device_router: if all { moe.device_router.clone() } else { None },
             gate: moe.gate.clone(),
             e_score_correction_bias: moe.e_score_correction_bias.clone(),
             experts,

@@ -133,38 +133,118 @@ impl<R: Runtime> GpuExperts<R> {
     }
 }
 
-/// A step's routing on the device: the grouping of [`Routing`] and the routing weights (`[m, topk]`, f32).
+/// A step's routing on the device: the grouping of [`Routing`] and the routing weights (`[m, topk]`, f32), either
+/// uploaded from the host ([`GpuRouting::upload`]) or made on the device ([`super::router::route_on_device`]).
 #[derive(Debug)]
 pub struct GpuRouting {
     m: usize,
     topk: usize,
-    n_active: usize,
-    class_bounds: [usize; 4],
+    /// Length of `experts` (the slots the kernels may read: `bounds[3]` of them are written).
+    slots: usize,
+    /// Grid height of each class's launches (0: the class is empty, no launch).
+    grid: [u32; 3],
+    /// The expert ids per pair, when the device chose them (`[m, topk]`).
+    ids: Option<Handle>,
     experts: Handle,
     offsets: Handle,
     pairs: Handle,
     weights: Handle,
+    /// `[4]` class bounds of `experts` (u32).
+    bounds: Handle,
+}
+
+/// What a [`GpuRouting`] holds, read back to the host (checks and tests).
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoutingReadback {
+    /// Expert per pair `[m, topk]` when the device chose them.
+    pub ids: Option<Vec<u32>>,
+    /// Routing weights `[m, topk]`.
+    pub weights: Vec<f32>,
+    /// Active experts by class (`bounds[3]` of them).
+    pub experts: Vec<u32>,
+    /// `experts.len() + 1` offsets into `pairs`.
+    pub offsets: Vec<u32>,
+    /// Pair indices grouped by expert.
+    pub pairs: Vec<u32>,
+    /// Class bounds of `experts`.
+    pub bounds: [u32; 4],
 }
 
 impl GpuRouting {
     /// Uploads `routing` and the routing `weights` (`[m, topk]`).
     pub fn upload<R: Runtime>(client: &ComputeClient<R>, routing: &Routing, weights: &[f32]) -> Self {
         assert_eq!(weights.len(), routing.m * routing.topk, "routing weights are [m, topk]");
+        let b = routing.class_bounds;
+        let bounds: [u32; 4] = b.map(|v| v as u32);
         Self {
             m: routing.m,
             topk: routing.topk,
-            n_active: routing.experts.len(),
-            class_bounds: routing.class_bounds,
+            slots: routing.experts.len(),
+            grid: [0, 1, 2].map(|c| (b[c + 1] - b[c]) as u32),
+            ids: None,
             experts: client.create_from_slice(u32::as_bytes(&routing.experts)),
             offsets: client.create_from_slice(u32::as_bytes(&routing.offsets)),
             pairs: client.create_from_slice(u32::as_bytes(&routing.pairs)),
             weights: client.create_from_slice(f32::as_bytes(weights)),
+            bounds: client.create_from_slice(u32::as_bytes(&bounds)),
         }
+    }
+
+    /// A routing the device router wrote into these buffers (`experts` of `slots` entries).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn from_device(
+        m: usize,
+        topk: usize,
+        slots: usize,
+        grid: [u32; 3],
+        ids: Handle,
+        experts: Handle,
+        offsets: Handle,
+        pairs: Handle,
+        weights: Handle,
+        bounds: Handle,
+    ) -> Self {
+        Self { m, topk, slots, grid, ids: Some(ids), experts, offsets, pairs, weights, bounds }
     }
 
     /// Tokens in the step.
     pub fn m(&self) -> usize {
         self.m
+    }
+
+    /// Grid height of each class's launches.
+    pub fn grid(&self) -> [u32; 3] {
+        self.grid
+    }
+
+    /// Reads everything back (drains the queue: checks and tests only).
+    ///
+    /// # Errors
+    /// A message when a read fails.
+    pub fn read_back<R: Runtime>(&self, client: &ComputeClient<R>) -> Result<RoutingReadback, String> {
+        let read = |h: &Handle| -> Result<Vec<u32>, String> {
+            let bytes = client.read_one(h.clone()).map_err(|e| format!("read: {e:?}"))?;
+            Ok(u32::from_bytes(&bytes).to_vec())
+        };
+        let b = read(&self.bounds)?;
+        let bounds = [b[0], b[1], b[2], b[3]];
+        let n = bounds[3] as usize;
+        let pairs = self.m * self.topk;
+        let weights = {
+            let bytes = client.read_one(self.weights.clone()).map_err(|e| format!("read: {e:?}"))?;
+            f32::from_bytes(&bytes)[..pairs].to_vec()
+        };
+        Ok(RoutingReadback {
+            ids: match &self.ids {
+                Some(h) => Some(read(h)?[..pairs].to_vec()),
+                None => None,
+            },
+            weights,
+            experts: read(&self.experts)?[..n].to_vec(),
+            offsets: read(&self.offsets)?[..n + 1].to_vec(),
+            pairs: read(&self.pairs)?[..pairs].to_vec(),
+            bounds,
+        })
     }
 }
 
@@ -214,15 +294,16 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
     let y = client.empty(n_pairs * s.hidden * 4);
     // The comptime arguments of each launch come from `specs`, which also lists them for `cargo xtask kernels`.
     for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
-        let (first, end) = (routing.class_bounds[class], routing.class_bounds[class + 1]);
-        if first == end {
+        let grid = routing.grid[class];
+        if grid == 0 {
             continue;
         }
         let k = ExpertRowsSpec::gate_up(&s, routing.topk, cfg, tb);
-        let count = CubeCount::Static(k.row_tiles(), (end - first) as u32, 1);
+        let count = CubeCount::Static(k.row_tiles(), grid, 1);
         // SAFETY: every buffer is passed with its true length; the kernels index inside `[E, rows, k/32]` weights
-        // (expert ids are checked by `Routing::new`), `[m, hidden]` / `[pairs, inter]` activations and the routing
-        // arrays of `Routing`, whose slots, offsets and pair indices are in range by construction.
+        // (expert ids are checked by `Routing::new` or chosen among the layer's experts by the device router),
+        // `[m, hidden]` / `[pairs, inter]` activations and the routing arrays, whose slots (below `bounds[3] <=
+        // slots`), offsets and pair indices are in range by construction.
         unsafe {
             if matches!(stages, Stages::All | Stages::GateUp) {
                 expert_rows_kernel::launch_unchecked::<A, R>(
@@ -234,11 +315,12 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
                     arg(x, routing.m * s.hidden),
                     arg(&experts.w13, s.experts * 2 * s.inter * s.hidden / 32),
                     arg(&experts.s13, s.experts * 2 * s.inter * s.hidden / s.group),
-                    arg(&routing.experts, routing.n_active),
-                    arg(&routing.offsets, routing.n_active + 1),
+                    arg(&routing.experts, routing.slots),
+                    arg(&routing.offsets, routing.slots + 1),
                     arg(&routing.pairs, n_pairs),
                     arg(&h, n_pairs * s.inter),
-                    first as u32,
+                    arg(&routing.bounds, 4),
+                    class as u32,
                     k.k,
                     k.rows,
                     k.rows_at_once,
@@ -255,8 +337,8 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
         }
     }
     for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
-        let (first, end) = (routing.class_bounds[class], routing.class_bounds[class + 1]);
-        if first == end || !matches!(stages, Stages::All | Stages::Down) {
+        let grid = routing.grid[class];
+        if grid == 0 || !matches!(stages, Stages::All | Stages::Down) {
             continue;
         }
         let k = ExpertRowsSpec::down(&s, routing.topk, cfg, tb);
@@ -264,18 +346,19 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
         unsafe {
             expert_rows_kernel::launch_unchecked::<f32, R>(
                 client,
-                CubeCount::Static(k.row_tiles(), (end - first) as u32, 1),
+                CubeCount::Static(k.row_tiles(), grid, 1),
                 k.cube_dim(),
                 k.address,
                 VEC,
                 arg(&h, n_pairs * s.inter),
                 arg(&experts.w2, s.experts * s.hidden * s.inter / 32),
                 arg(&experts.s2, s.experts * s.hidden * s.inter / s.group),
-                arg(&routing.experts, routing.n_active),
-                arg(&routing.offsets, routing.n_active + 1),
+                arg(&routing.experts, routing.slots),
+                arg(&routing.offsets, routing.slots + 1),
                 arg(&routing.pairs, n_pairs),
                 arg(&y, n_pairs * s.hidden),
-                first as u32,
+                arg(&routing.bounds, 4),
+                class as u32,
                 k.k,
                 k.rows,
                 k.rows_at_once,

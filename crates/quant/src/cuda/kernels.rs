@@ -79,7 +79,10 @@ fn load_rows<N: Size>(
 /// - `words`: `[E, rows, k/32]` 16-byte vectors (`N` = 4 words); `scales`: `[E, rows, k/group]` BF16.
 /// - `experts`, `offsets`, `pairs`: the grouping of [`super::Routing`].
 /// - `out`: `gated`: `[pairs, rows/2]`, `silu(row j) * row (j + rows/2)`; else `[pairs, rows]`.
-/// - `slot0`: first active-expert slot of this launch (grid row `y` is slot `slot0 + y`).
+/// - `bounds`: `[4]` slot bounds of the expert classes on the device (slots `bounds[class]..bounds[class + 1]` of
+///   `experts` hold this launch's experts; written by the host grouping or by the device router): grid row `y`
+///   runs slots `bounds[class] + y`, `+ grid_y`, ... so any grid height is correct, and rows past the class's
+///   experts exit at once.
 ///
 /// Each warp computes rows `j + q * rows / rows_at_once`, `q < rows_at_once` (`gated`: 2, gate and up of unit `j`).
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -94,7 +97,8 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
     offsets: &Array<u32>,
     pairs: &Array<u32>,
     out: &mut Array<f32>,
-    slot0: u32,
+    bounds: &Array<u32>,
+    class: u32,
     #[comptime] k: usize,
     #[comptime] rows: usize,
     #[comptime] rows_at_once: usize,
@@ -110,10 +114,6 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let tid = UNIT_POS as usize;
-    let slot = (CUBE_POS_Y + slot0) as usize;
-    let e = experts[slot] as usize;
-    let start = offsets[slot] as usize;
-    let count = offsets[slot + 1] as usize - start;
 
     // 16-byte weight vectors per row, per lane, 4-wide activation vectors per row, padded row length.
     let kv = comptime!(k / 32);
@@ -131,146 +131,155 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
     let mut sc = Array::<f32>::new(comptime!(rows_at_once * k.div_ceil(1024)));
     let j_first = (CUBE_POS_X as usize * warps + warp) * rows_per_warp;
 
-    let n_chunks = (count + tb - 1) / tb;
-    for ch in 0..n_chunks {
-        let c0 = start + ch * tb;
-        let n = count - ch * tb;
-        if prefetch {
-            if j_first < stride {
-                // The first rows' weights do not depend on the activations: start their loads now, so their
-                // latency overlaps the staging below.
-                load_rows::<N>(words, scales, &mut wv, &mut sc, e * rows + j_first, lane, k, group, stride, nr);
+    let class_end = bounds[class as usize + 1] as usize;
+    let mut slot = bounds[class as usize] as usize + CUBE_POS_Y as usize;
+    while slot < class_end {
+        let e = experts[slot] as usize;
+        let start = offsets[slot] as usize;
+        let count = offsets[slot + 1] as usize - start;
+
+        let n_chunks = (count + tb - 1) / tb;
+        for ch in 0..n_chunks {
+            let c0 = start + ch * tb;
+            let n = count - ch * tb;
+            if prefetch {
+                if j_first < stride {
+                    // The first rows' weights do not depend on the activations: start their loads now, so their
+                    // latency overlaps the staging below.
+                    load_rows::<N>(words, scales, &mut wv, &mut sc, e * rows + j_first, lane, k, group, stride, nr);
+                }
             }
-        }
 
-        // Activations of this chunk's tokens, f32, column c scaled by 2^(-4 (c % 4)); zero for missing tokens.
-        for it in 0..fill_iters {
-            let idx = it * threads + tid;
-            if idx < comptime!(tb * k / 4) {
-                let t = idx / k4;
-                let c4 = idx % k4;
-                let mut v = Vector::<f32, N>::empty();
-                v[0] = f32::new(0.0);
-                v[1] = f32::new(0.0);
-                v[2] = f32::new(0.0);
-                v[3] = f32::new(0.0);
-                if t < n {
-                    let p = pairs[c0 + t] as usize;
-                    let mut row = p;
-                    if by_token {
-                        row = p / topk;
+            // Activations of this chunk's tokens, f32, column c scaled by 2^(-4 (c % 4)); zero for missing tokens.
+            for it in 0..fill_iters {
+                let idx = it * threads + tid;
+                if idx < comptime!(tb * k / 4) {
+                    let t = idx / k4;
+                    let c4 = idx % k4;
+                    let mut v = Vector::<f32, N>::empty();
+                    v[0] = f32::new(0.0);
+                    v[1] = f32::new(0.0);
+                    v[2] = f32::new(0.0);
+                    v[3] = f32::new(0.0);
+                    if t < n {
+                        let p = pairs[c0 + t] as usize;
+                        let mut row = p;
+                        if by_token {
+                            row = p / topk;
+                        }
+                        let base = row * k + c4 * 4;
+                        v[0] = f32::cast_from(act[base]);
+                        v[1] = f32::cast_from(act[base + 1]) * f32::new(0.0625);
+                        v[2] = f32::cast_from(act[base + 2]) * f32::new(0.003_906_25);
+                        v[3] = f32::cast_from(act[base + 3]) * f32::new(0.000_244_140_625);
                     }
-                    let base = row * k + c4 * 4;
-                    v[0] = f32::cast_from(act[base]);
-                    v[1] = f32::cast_from(act[base + 1]) * f32::new(0.0625);
-                    v[2] = f32::cast_from(act[base + 2]) * f32::new(0.003_906_25);
-                    v[3] = f32::cast_from(act[base + 3]) * f32::new(0.000_244_140_625);
+                    xs[t * kpad + c4 + c4 / 8] = v;
                 }
-                xs[t * kpad + c4 + c4 / 8] = v;
             }
-        }
-        sync_cube();
+            sync_cube();
 
-        for r in 0..rows_per_warp {
-            let j = (CUBE_POS_X as usize * warps + warp) * rows_per_warp + r;
-            if j < stride {
-                let row0 = e * rows + j;
-                // All of this lane's loads first, so they are in flight together: `nr` rows x `per_lane` vectors.
-                // With `prefetch`, the first row group was loaded before the activations were staged.
-                let mut need = true;
-                if prefetch {
-                    need = r > 0;
-                }
-                if need {
-                    load_rows::<N>(words, scales, &mut wv, &mut sc, row0, lane, k, group, stride, nr);
-                }
-
-                let mut acc = Array::<f32>::new(comptime!(rows_at_once * tb));
-                #[unroll]
-                for a in 0..comptime!(rows_at_once * tb) {
-                    acc[a] = f32::new(0.0);
-                }
-
-                #[unroll]
-                for i in 0..per_lane {
-                    // Lanes past the row's end read a valid vector; their scale is 0.
-                    let mut v = lane + 32 * i;
-                    if v >= kv {
-                        v = kv - 1;
+            for r in 0..rows_per_warp {
+                let j = (CUBE_POS_X as usize * warps + warp) * rows_per_warp + r;
+                if j < stride {
+                    let row0 = e * rows + j;
+                    // All of this lane's loads first, so they are in flight together: `nr` rows x `per_lane` vectors.
+                    // With `prefetch`, the first row group was loaded before the activations were staged.
+                    let mut need = true;
+                    if prefetch {
+                        need = r > 0;
                     }
-                    let mut part = Array::<f32>::new(comptime!(rows_at_once * tb));
+                    if need {
+                        load_rows::<N>(words, scales, &mut wv, &mut sc, row0, lane, k, group, stride, nr);
+                    }
+
+                    let mut acc = Array::<f32>::new(comptime!(rows_at_once * tb));
                     #[unroll]
                     for a in 0..comptime!(rows_at_once * tb) {
-                        part[a] = f32::new(0.0);
+                        acc[a] = f32::new(0.0);
                     }
+
                     #[unroll]
-                    for w in 0..4usize {
-                        // q * 16^(c % 4) for the 8 columns of word w of each row.
-                        let mut dq = Array::<f32>::new(comptime!(rows_at_once * 8));
+                    for i in 0..per_lane {
+                        // Lanes past the row's end read a valid vector; their scale is 0.
+                        let mut v = lane + 32 * i;
+                        if v >= kv {
+                            v = kv - 1;
+                        }
+                        let mut part = Array::<f32>::new(comptime!(rows_at_once * tb));
                         #[unroll]
-                        for q in 0..nr {
-                            let lo = wv[q * per_lane + i][w];
-                            let hi = lo >> 16u32;
-                            dq[q * 8] = nibble(lo, 0u32);
-                            dq[q * 8 + 1] = nibble(lo, 1u32);
-                            dq[q * 8 + 2] = nibble(lo, 2u32);
-                            dq[q * 8 + 3] = nibble(lo, 3u32);
-                            dq[q * 8 + 4] = nibble(hi, 0u32);
-                            dq[q * 8 + 5] = nibble(hi, 1u32);
-                            dq[q * 8 + 6] = nibble(hi, 2u32);
-                            dq[q * 8 + 7] = nibble(hi, 3u32);
+                        for a in 0..comptime!(rows_at_once * tb) {
+                            part[a] = f32::new(0.0);
                         }
                         #[unroll]
-                        for t in 0..tb {
-                            let xi = t * kpad + 9 * v + 2 * w;
-                            let x0 = xs[xi];
-                            let x1 = xs[xi + 1];
+                        for w in 0..4usize {
+                            // q * 16^(c % 4) for the 8 columns of word w of each row.
+                            let mut dq = Array::<f32>::new(comptime!(rows_at_once * 8));
                             #[unroll]
                             for q in 0..nr {
-                                part[q * tb + t] += dq[q * 8] * x0[0]
-                                    + dq[q * 8 + 1] * x0[1]
-                                    + dq[q * 8 + 2] * x0[2]
-                                    + dq[q * 8 + 3] * x0[3]
-                                    + dq[q * 8 + 4] * x1[0]
-                                    + dq[q * 8 + 5] * x1[1]
-                                    + dq[q * 8 + 6] * x1[2]
-                                    + dq[q * 8 + 7] * x1[3];
+                                let lo = wv[q * per_lane + i][w];
+                                let hi = lo >> 16u32;
+                                dq[q * 8] = nibble(lo, 0u32);
+                                dq[q * 8 + 1] = nibble(lo, 1u32);
+                                dq[q * 8 + 2] = nibble(lo, 2u32);
+                                dq[q * 8 + 3] = nibble(lo, 3u32);
+                                dq[q * 8 + 4] = nibble(hi, 0u32);
+                                dq[q * 8 + 5] = nibble(hi, 1u32);
+                                dq[q * 8 + 6] = nibble(hi, 2u32);
+                                dq[q * 8 + 7] = nibble(hi, 3u32);
+                            }
+                            #[unroll]
+                            for t in 0..tb {
+                                let xi = t * kpad + 9 * v + 2 * w;
+                                let x0 = xs[xi];
+                                let x1 = xs[xi + 1];
+                                #[unroll]
+                                for q in 0..nr {
+                                    part[q * tb + t] += dq[q * 8] * x0[0]
+                                        + dq[q * 8 + 1] * x0[1]
+                                        + dq[q * 8 + 2] * x0[2]
+                                        + dq[q * 8 + 3] * x0[3]
+                                        + dq[q * 8 + 4] * x1[0]
+                                        + dq[q * 8 + 5] * x1[1]
+                                        + dq[q * 8 + 6] * x1[2]
+                                        + dq[q * 8 + 7] * x1[3];
+                                }
+                            }
+                        }
+                        #[unroll]
+                        for q in 0..nr {
+                            #[unroll]
+                            for t in 0..tb {
+                                acc[q * tb + t] += part[q * tb + t] * sc[q * per_lane + i];
                             }
                         }
                     }
-                    #[unroll]
-                    for q in 0..nr {
-                        #[unroll]
-                        for t in 0..tb {
-                            acc[q * tb + t] += part[q * tb + t] * sc[q * per_lane + i];
-                        }
-                    }
-                }
 
-                #[unroll]
-                for t in 0..tb {
-                    if gated {
-                        let a = plane_sum(acc[t]);
-                        let b = plane_sum(acc[tb + t]);
-                        if lane == 0 && t < n {
-                            let p = pairs[c0 + t] as usize;
-                            let ex = (-a).exp();
-                            out[p * stride + j] = a / (f32::new(1.0) + ex) * b;
-                        }
-                    } else {
-                        #[unroll]
-                        for q in 0..nr {
-                            let a = plane_sum(acc[q * tb + t]);
+                    #[unroll]
+                    for t in 0..tb {
+                        if gated {
+                            let a = plane_sum(acc[t]);
+                            let b = plane_sum(acc[tb + t]);
                             if lane == 0 && t < n {
                                 let p = pairs[c0 + t] as usize;
-                                out[p * rows + j + q * stride] = a;
+                                let ex = (-a).exp();
+                                out[p * stride + j] = a / (f32::new(1.0) + ex) * b;
+                            }
+                        } else {
+                            #[unroll]
+                            for q in 0..nr {
+                                let a = plane_sum(acc[q * tb + t]);
+                                if lane == 0 && t < n {
+                                    let p = pairs[c0 + t] as usize;
+                                    out[p * rows + j + q * stride] = a;
+                                }
                             }
                         }
                     }
                 }
             }
+            sync_cube();
         }
-        sync_cube();
+        slot += CUBE_COUNT_Y as usize;
     }
 }
 

@@ -17,6 +17,7 @@ pub mod experts;
 pub mod gemm;
 pub mod reference;
 pub mod resources;
+pub mod router;
 
 #[cfg(feature = "cuda")]
 pub mod gpu;
@@ -31,4 +32,6 @@ pub use experts::{KernelLayout, MoeExperts, MoeShape, Routing, SplitMix64};
 pub use reference::{Dequant, Mismatch, moe_reference};
 
 #[cfg(feature = "cuda")]
-pub use gpu::{GpuExperts, GpuRouting, MoeConfig, Stages, copy_bandwidth, copy_f32, moe_forward, moe_forward_with};
+pub use gpu::{
+    GpuExperts, GpuRouting, MoeConfig, RoutingReadback, Stages, copy_bandwidth, copy_f32, moe_forward, moe_forward_with,
+};

@@ -22,6 +22,7 @@ use super::dense::{gemv_bf16_kernel, gemv_swiglu_kernel};
 use super::gemm::{split_bf16x3_kernel, sum3_kernel};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::resources::Arch;
+use super::router::{group_kernel, route_kernel};
 use super::specs::{Act, ExpertRowsSpec, KernelSpec};
 
 /// 16-byte vectors of the kernels (the launcher's `VEC`).
@@ -115,7 +116,8 @@ fn define_expert_rows(act_ty: Act, s: &ExpertRowsSpec, props: &DeviceProperties)
     let offsets = <Array<u32> as LaunchArg>::expand(&a, &mut b);
     let pairs = <Array<u32> as LaunchArg>::expand(&a, &mut b);
     let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
-    let slot0 = <u32 as LaunchArg>::expand(&(), &mut b);
+    let bounds = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let class = <u32 as LaunchArg>::expand(&(), &mut b);
     expert_rows_kernel::expand::<F, N>(
         &mut b.scope,
         VEC,
@@ -126,7 +128,8 @@ fn define_expert_rows(act_ty: Act, s: &ExpertRowsSpec, props: &DeviceProperties)
         offsets,
         pairs,
         out,
-        slot0,
+        bounds,
+        class,
         s.k,
         s.rows,
         s.rows_at_once,
@@ -315,6 +318,43 @@ fn define_sum3(props: &DeviceProperties) -> KernelDefinition {
     b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
 }
 
+fn define_route(
+    experts: usize,
+    n_group: usize,
+    topk_group: usize,
+    top_k: usize,
+    norm: bool,
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    let a = ARRAY;
+    let logits = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let bias = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let ids = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let weights = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    route_kernel::expand(&mut b.scope, logits, bias, ids, weights, scale, experts, n_group, topk_group, top_k, norm);
+    let dim = CubeDim::new_1d(super::router::ROUTE_THREADS as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name("route_kernel"))
+}
+
+fn define_group(experts: usize, props: &DeviceProperties) -> KernelDefinition {
+    let address = AddressType::U32;
+    let threads = experts.next_power_of_two().max(32);
+    let mut b = builder(props, address);
+    let a = ARRAY;
+    let ids = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let experts_out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let offsets = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let pairs = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let bounds = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let n_pairs = <u32 as LaunchArg>::expand(&(), &mut b);
+    group_kernel::expand(&mut b.scope, ids, experts_out, offsets, pairs, bounds, n_pairs, experts, threads);
+    let dim = CubeDim::new_1d(threads as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name("group_kernel"))
+}
+
 /// Compiles `spec` to CUDA C++ for `arch`, as cubecl-cuda would on a device of that architecture with CUDA
 /// bindings of version `cuda_version` (unchecked launches, as the launcher's).
 pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<CudaKernelSource, String> {
@@ -331,6 +371,10 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::GemvSwiglu { k, cfg } => (define_gemv_swiglu(*k, cfg, &props), AddressType::U32),
         KernelSpec::SplitBf16x3 => (define_split_bf16x3(&props), AddressType::U32),
         KernelSpec::Sum3 => (define_sum3(&props), AddressType::U32),
+        KernelSpec::Route { experts, n_group, topk_group, top_k, norm } => {
+            (define_route(*experts, *n_group, *topk_group, *top_k, *norm, &props), AddressType::U32)
+        }
+        KernelSpec::Group { experts } => (define_group(*experts, &props), AddressType::U32),
     };
     let entry = def.options.kernel_name.clone();
     let dim = def.cube_dim;

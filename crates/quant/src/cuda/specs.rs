@@ -218,6 +218,24 @@ pub enum KernelSpec {
     SplitBf16x3,
     /// `gemm::sum3_kernel` (the prefill GEMM's sum of its three partial products).
     Sum3,
+    /// `router::route_kernel` (`noaux_tc` top-k of one token a block).
+    Route {
+        /// Routed experts.
+        experts: usize,
+        /// Expert groups.
+        n_group: usize,
+        /// Groups kept.
+        topk_group: usize,
+        /// Experts per token.
+        top_k: usize,
+        /// Renormalised weights.
+        norm: bool,
+    },
+    /// `router::group_kernel` (the pairs grouped by expert, one block).
+    Group {
+        /// Routed experts.
+        experts: usize,
+    },
 }
 
 impl KernelSpec {
@@ -230,6 +248,8 @@ impl KernelSpec {
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
             Self::Gemv { cfg, .. } | Self::GemvSwiglu { cfg, .. } => CubeDim::new_2d(32, cfg.warps as u32),
             Self::SplitBf16x3 | Self::Sum3 => CubeDim::new_1d(256),
+            Self::Route { .. } => CubeDim::new_1d(crate::cuda::router::ROUTE_THREADS as u32),
+            Self::Group { experts } => CubeDim::new_1d(experts.next_power_of_two().max(32) as u32),
         }
     }
 
@@ -249,6 +269,10 @@ impl KernelSpec {
             }
             Self::SplitBf16x3 => "split_bf16x3".into(),
             Self::Sum3 => "sum3 f32x4".into(),
+            Self::Route { experts, n_group, topk_group, top_k, norm } => {
+                format!("route e{experts} groups{n_group}/{topk_group} top{top_k} norm{}", u8::from(*norm))
+            }
+            Self::Group { experts } => format!("group e{experts}"),
         }
     }
 }
@@ -314,6 +338,41 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
     out.push(KernelSpec::Sum3);
     out
 }
+
+/// The device router's specialisations of `spec` (its top-k and its grouping).
+pub fn router_specs(spec: &crate::cuda::router::RouterSpec) -> Vec<KernelSpec> {
+    vec![
+        KernelSpec::Route {
+            experts: spec.experts,
+            n_group: spec.n_group,
+            topk_group: spec.topk_group,
+            top_k: spec.top_k,
+            norm: spec.norm_topk_prob,
+        },
+        KernelSpec::Group { experts: spec.experts },
+    ]
+}
+
+/// Kimi-K2's router (384 experts, one group, top-8) and DeepSeek-V3's (256 experts, 8 groups of which 4 are kept,
+/// top-8).
+pub const ROUTERS: [crate::cuda::router::RouterSpec; 2] = [
+    crate::cuda::router::RouterSpec {
+        experts: 384,
+        n_group: 1,
+        topk_group: 1,
+        top_k: 8,
+        norm_topk_prob: true,
+        routed_scaling_factor: 2.827,
+    },
+    crate::cuda::router::RouterSpec {
+        experts: 256,
+        n_group: 8,
+        topk_group: 4,
+        top_k: 8,
+        norm_topk_prob: true,
+        routed_scaling_factor: 2.5,
+    },
+];
 
 #[cfg(test)]
 mod tests {

@@ -1,0 +1,565 @@
+//! The MoE router on the device: DeepSeek-V3's `noaux_tc` top-k ([`route_kernel`], one block per token) and the
+//! grouping of the token-expert pairs by expert ([`group_kernel`], one block), so a layer's fused MoE runs without
+//! reading its routing back to the host (a read drains the whole queue every MoE layer, and the host can then
+//! never run ahead of the GPU).
+//!
+//! The math is transformers' `DeepseekV3TopkRouter` (and `eyrie_model::moe::route`, the host reference the GPU
+//! check compares against): `s = sigmoid(logit)`; selection scores `s + bias`; group score = sum of the two best
+//! selection scores of the group; the `topk_group` best groups are kept, the others' scores set to -inf; the
+//! `top_k` best selection scores are the experts (ties to the lower index, as a stable descending sort gives);
+//! weights `s[e]`, divided by their sum + 1e-20 when `norm`, times the scaling factor (in that order, so the f32
+//! rounding matches the host's).
+//!
+//! The grouping is [`super::Routing::new`]'s, on the device: experts by class (1 token, 2 tokens, 3 or more),
+//! ascending within a class, each expert's pairs ascending. The host does not learn the class sizes; it sizes each
+//! class's launch by an estimate ([`class_grid`]) and the MoE kernels loop over the slots the device wrote
+//! (`expert_rows_kernel`'s `bounds`), so any estimate is correct and a good one wastes no blocks.
+
+/// The router's sizes and hyperparameters (the kernels' specialisation, and the scaling factor).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterSpec {
+    /// Routed experts `E` (at most [`MAX_DEVICE_EXPERTS`]).
+    pub experts: usize,
+    /// Expert groups (dividing `experts`; 1 = no group selection).
+    pub n_group: usize,
+    /// Groups kept per token.
+    pub topk_group: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Renormalise the `top_k` weights.
+    pub norm_topk_prob: bool,
+    /// Multiplier of the weights.
+    pub routed_scaling_factor: f32,
+}
+
+/// Most routed experts the device router takes (the grouping holds one thread per expert in one block).
+pub const MAX_DEVICE_EXPERTS: usize = 1024;
+
+/// Threads of a [`route_kernel`] block.
+pub const ROUTE_THREADS: usize = 128;
+
+/// Pair ids staged in shared memory at a time by [`group_kernel`].
+pub const GROUP_CHUNK: usize = 4096;
+
+impl RouterSpec {
+    /// Checks what the kernels need: `1 <= top_k <= experts <= MAX_DEVICE_EXPERTS`, `n_group` dividing `experts`
+    /// with at least 2 experts a group when there are several, `1 <= topk_group <= n_group`, and enough experts in
+    /// the kept groups for `top_k`. Errors name the field.
+    pub fn validate(&self) -> crate::Result<()> {
+        let bad = |field: &str, why: String| Err(crate::QuantError::invalid(field, why));
+        if self.experts == 0 || self.experts > MAX_DEVICE_EXPERTS {
+            return bad(
+                "n_routed_experts",
+                format!("{}: the device router takes 1..={MAX_DEVICE_EXPERTS}", self.experts),
+            );
+        }
+        if self.n_group == 0 || !self.experts.is_multiple_of(self.n_group) {
+            return bad("n_group", format!("{} does not divide {} experts", self.n_group, self.experts));
+        }
+        if self.n_group > 1 && self.experts / self.n_group < 2 {
+            return bad(
+                "n_group",
+                format!("{} groups of {} experts: a group score needs two", self.n_group, self.experts),
+            );
+        }
+        if self.topk_group == 0 || self.topk_group > self.n_group {
+            return bad("topk_group", format!("{} with {} groups", self.topk_group, self.n_group));
+        }
+        if self.top_k == 0 || self.top_k > self.topk_group * (self.experts / self.n_group) {
+            return bad("num_experts_per_tok", format!("{} with {} kept groups", self.top_k, self.topk_group));
+        }
+        Ok(())
+    }
+
+    /// Threads of a [`group_kernel`] block: one per expert, a power of two for its scans.
+    pub fn group_threads(&self) -> usize {
+        self.experts.next_power_of_two().max(32)
+    }
+}
+
+/// Grid heights of the three class launches of the MoE kernels for `m` tokens of `top_k` experts among `experts`
+/// when the class sizes are only known on the device: the most experts a class can hold (an expert takes a
+/// token at most once, so class `c` needs `m > c` and holds at most `pairs / (c + 1)`), capped near the count
+/// expected of independent uniform routing (Poisson with `lambda = pairs / experts`) with a 25% margin. A class
+/// with more experts than its grid has them looped over by the same blocks; a class with fewer leaves blocks that
+/// exit at once.
+pub fn class_grid(m: usize, top_k: usize, experts: usize) -> [u32; 3] {
+    let pairs = m * top_k;
+    let lambda = pairs as f64 / experts as f64;
+    let p0 = (-lambda).exp();
+    let p = [p0 * lambda, p0 * lambda * lambda / 2.0, 1.0 - p0 * (1.0 + lambda + lambda * lambda / 2.0)];
+    let mut out = [0u32; 3];
+    for c in 0..3 {
+        if m > c {
+            let cap = experts.min(pairs / (c + 1));
+            let expect = (1.25 * experts as f64 * p[c].max(0.0)).ceil() as usize + 2;
+            out[c] = cap.min(expect) as u32;
+        }
+    }
+    out
+}
+
+#[cfg(feature = "cuda")]
+pub use gpu::{group_kernel, route_kernel, route_on_device};
+
+// Kernel code is CubeCL, not Rust: nested `if`s of comptime and runtime conditions, branches kept apart for
+// reading and `usize` builtins are expanded as written.
+#[cfg(feature = "cuda")]
+#[allow(
+    clippy::collapsible_if,
+    clippy::collapsible_else_if,
+    clippy::if_same_then_else,
+    clippy::unnecessary_cast,
+    clippy::manual_div_ceil
+)]
+mod gpu {
+    use burn::cubecl;
+    use cubecl::prelude::*;
+    use cubecl::server::Handle;
+
+    use super::{GROUP_CHUNK, ROUTE_THREADS, RouterSpec, class_grid};
+    use crate::cuda::GpuRouting;
+
+    /// Whether candidate `(ov, oi)` beats `(mv, mi)`: `invalid` marks no candidate; a higher score wins, a tie goes
+    /// to the lower index.
+    #[cube]
+    fn beats(ov: f32, oi: u32, mv: f32, mi: u32, invalid: u32) -> bool {
+        let mut win = false;
+        if oi != invalid {
+            if mi == invalid {
+                win = true;
+            } else if ov > mv {
+                win = true;
+            } else if ov == mv && oi < mi {
+                win = true;
+            }
+        }
+        win
+    }
+
+    /// `noaux_tc` routing of one token per block (see the module docs): `logits` `[m, experts]` f32 (the gate's
+    /// output, before the sigmoid), `bias` `[experts]` f32; writes `ids` and `weights` `[m, top_k]`, best first.
+    #[cube(launch_unchecked)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_kernel(
+        logits: &Array<f32>,
+        bias: &Array<f32>,
+        ids: &mut Array<u32>,
+        weights: &mut Array<f32>,
+        scale: f32,
+        #[comptime] experts: usize,
+        #[comptime] n_group: usize,
+        #[comptime] topk_group: usize,
+        #[comptime] top_k: usize,
+        #[comptime] norm: bool,
+    ) {
+        let t = CUBE_POS as usize;
+        let tid = UNIT_POS as usize;
+        let threads = comptime!(ROUTE_THREADS);
+        let per_thread = comptime!(experts.div_ceil(ROUTE_THREADS));
+        let invalid = u32::new(comptime!(experts as i64));
+        let mut s = SharedMemory::<f32>::new(experts);
+        let mut c = SharedMemory::<f32>::new(experts);
+        let mut taken = SharedMemory::<u32>::new(experts);
+        let mut best_v = SharedMemory::<f32>::new(threads);
+        let mut best_i = SharedMemory::<u32>::new(threads);
+        let mut chosen = SharedMemory::<u32>::new(top_k);
+
+        #[unroll]
+        for i in 0..per_thread {
+            let e = i * threads + tid;
+            if e < experts {
+                let x = logits[t * experts + e];
+                let sv = f32::new(1.0) / (f32::new(1.0) + (-x).exp());
+                s[e] = sv;
+                c[e] = sv + bias[e];
+                taken[e] = 0;
+            }
+        }
+        sync_cube();
+
+        if comptime!(n_group > 1) {
+            let per_group = comptime!(experts / n_group);
+            let mut gs = SharedMemory::<f32>::new(n_group);
+            let mut keep = SharedMemory::<u32>::new(n_group);
+            if tid < n_group {
+                // The group's two best selection scores (a tie for the best counts twice, as a sorted list has it).
+                let mut b1 = f32::new(-f32::MAX);
+                let mut b2 = f32::new(-f32::MAX);
+                for j in 0..per_group {
+                    let v = c[tid * per_group + j];
+                    if v > b1 {
+                        b2 = b1;
+                        b1 = v;
+                    } else if v > b2 {
+                        b2 = v;
+                    }
+                }
+                gs[tid] = b1 + b2;
+                keep[tid] = 0;
+            }
+            sync_cube();
+            if tid == 0 {
+                for _r in 0..topk_group {
+                    let mut bg = u32::new(comptime!(n_group as i64));
+                    let mut bv = f32::new(-f32::MAX);
+                    for g in 0..n_group {
+                        if keep[g] == 0 {
+                            if beats(gs[g], g as u32, bv, bg, u32::new(comptime!(n_group as i64))) {
+                                bg = g as u32;
+                                bv = gs[g];
+                            }
+                        }
+                    }
+                    keep[bg as usize] = 1;
+                }
+            }
+            sync_cube();
+            #[unroll]
+            for i in 0..per_thread {
+                let e = i * threads + tid;
+                if e < experts {
+                    if keep[e / per_group] == 0 {
+                        c[e] = f32::new(-f32::MAX);
+                    }
+                }
+            }
+            sync_cube();
+        }
+
+        for r in 0..top_k {
+            let mut bv = f32::new(-f32::MAX);
+            let mut bi = invalid;
+            #[unroll]
+            for i in 0..per_thread {
+                let e = i * threads + tid;
+                if e < experts {
+                    if taken[e] == 0 {
+                        if beats(c[e], e as u32, bv, bi, invalid) {
+                            bv = c[e];
+                            bi = e as u32;
+                        }
+                    }
+                }
+            }
+            best_v[tid] = bv;
+            best_i[tid] = bi;
+            sync_cube();
+            #[unroll]
+            for step in 0..comptime!(ROUTE_THREADS.trailing_zeros()) {
+                let h = comptime!(ROUTE_THREADS >> (step + 1));
+                if tid < h {
+                    let ov = best_v[tid + h];
+                    let oi = best_i[tid + h];
+                    if beats(ov, oi, best_v[tid], best_i[tid], invalid) {
+                        best_v[tid] = ov;
+                        best_i[tid] = oi;
+                    }
+                }
+                sync_cube();
+            }
+            if tid == 0 {
+                let e = best_i[0];
+                chosen[r] = e;
+                taken[e as usize] = 1;
+            }
+            sync_cube();
+        }
+
+        if tid == 0 {
+            let mut sum = f32::new(0.0);
+            #[unroll]
+            for j in 0..top_k {
+                sum += s[chosen[j] as usize];
+            }
+            let denom = sum + f32::new(1e-20);
+            #[unroll]
+            for j in 0..top_k {
+                let e = chosen[j];
+                let mut w = s[e as usize];
+                if norm {
+                    w /= denom;
+                }
+                ids[t * top_k + j] = e;
+                weights[t * top_k + j] = w * scale;
+            }
+        }
+    }
+
+    /// Block-wide inclusive prefix sum of `v` over `threads` (a power of two) threads, in `scan`; every thread
+    /// gets its own prefix. The caller reads anything else of `scan` (the total at `threads - 1`) before a
+    /// `sync_cube` and the next scan.
+    #[cube]
+    fn inclusive_scan(scan: &mut SharedMemory<u32>, tid: usize, v: u32, #[comptime] threads: usize) -> u32 {
+        scan[tid] = v;
+        sync_cube();
+        #[unroll]
+        for step in 0..comptime!(threads.trailing_zeros()) {
+            let off = comptime!(1usize << step);
+            let mut add = u32::new(0);
+            if tid >= off {
+                add = scan[tid - off];
+            }
+            sync_cube();
+            scan[tid] += add;
+            sync_cube();
+        }
+        scan[tid]
+    }
+
+    /// Groups the `n_pairs` token-expert pairs of `ids` (`[m, top_k]`, pair `p = t * top_k + j`) by expert as
+    /// [`crate::cuda::Routing::new`] does, in one block of `threads` threads (thread `e` owns expert `e`):
+    /// `experts_out` `[experts]` (the active experts by class, ascending in a class), `offsets` `[experts + 1]`
+    /// into `pairs_out` `[n_pairs]`, and `bounds` `[4]` (class `c`'s slots are `bounds[c]..bounds[c + 1]`).
+    /// Slots past the active experts are not written.
+    #[cube(launch_unchecked)]
+    #[allow(clippy::too_many_arguments)]
+    pub fn group_kernel(
+        ids: &Array<u32>,
+        experts_out: &mut Array<u32>,
+        offsets: &mut Array<u32>,
+        pairs_out: &mut Array<u32>,
+        bounds: &mut Array<u32>,
+        n_pairs: u32,
+        #[comptime] experts: usize,
+        #[comptime] threads: usize,
+    ) {
+        let tid = UNIT_POS as usize;
+        let chunk_len = comptime!(GROUP_CHUNK);
+        let loads = comptime!(GROUP_CHUNK / threads);
+        let mut chunk = SharedMemory::<u32>::new(chunk_len);
+        let mut scan = SharedMemory::<u32>::new(threads);
+        let mut by_pos = SharedMemory::<u32>::new(threads);
+        let total = n_pairs as usize;
+        let n_chunks = (total + chunk_len - 1) / chunk_len;
+        let me = tid as u32;
+
+        // Tokens routed to expert `tid`.
+        let mut count = u32::new(0);
+        for ch in 0..n_chunks {
+            let base = ch * chunk_len;
+            #[unroll]
+            for i in 0..loads {
+                let j = i * threads + tid;
+                if base + j < total {
+                    chunk[j] = ids[base + j];
+                }
+            }
+            sync_cube();
+            let mut len = total - base;
+            if len > chunk_len {
+                len = chunk_len;
+            }
+            if tid < experts {
+                for j in 0..len {
+                    if chunk[j] == me {
+                        count += 1;
+                    }
+                }
+            }
+            sync_cube();
+        }
+
+        // Class 0: one token, 1: two, 2: three or more; rank in the class by expert index.
+        let active = tid < experts && count > 0;
+        let mut class = u32::new(3);
+        if active {
+            class = 2;
+            if count == 1 {
+                class = 0;
+            } else if count == 2 {
+                class = 1;
+            }
+        }
+        let mut in0 = u32::new(0);
+        if class == 0 {
+            in0 = 1;
+        }
+        let r0 = inclusive_scan(&mut scan, tid, in0, threads);
+        let n0 = scan[threads - 1];
+        sync_cube();
+        let mut in1 = u32::new(0);
+        if class == 1 {
+            in1 = 1;
+        }
+        let r1 = inclusive_scan(&mut scan, tid, in1, threads);
+        let n1 = scan[threads - 1];
+        sync_cube();
+        let mut in2 = u32::new(0);
+        if class == 2 {
+            in2 = 1;
+        }
+        let r2 = inclusive_scan(&mut scan, tid, in2, threads);
+        let n2 = scan[threads - 1];
+        sync_cube();
+
+        // Slot of this expert, and its count at that slot.
+        let mut pos = u32::new(0);
+        if class == 0 {
+            pos = r0 - 1;
+        } else if class == 1 {
+            pos = n0 + r1 - 1;
+        } else if class == 2 {
+            pos = n0 + n1 + r2 - 1;
+        }
+        by_pos[tid] = 0;
+        sync_cube();
+        if active {
+            by_pos[pos as usize] = count;
+            experts_out[pos as usize] = me;
+        }
+        sync_cube();
+        // Offsets: the prefix sum of the counts in slot order.
+        let slot_count = by_pos[tid];
+        let incl = inclusive_scan(&mut scan, tid, slot_count, threads);
+        sync_cube();
+        if tid < experts {
+            offsets[tid + 1] = incl;
+        }
+        if tid == 0 {
+            offsets[0] = 0;
+            bounds[0] = 0;
+            bounds[1] = n0;
+            bounds[2] = n0 + n1;
+            bounds[3] = n0 + n1 + n2;
+        }
+        // This expert's first pair: the exclusive prefix at its slot.
+        by_pos[tid] = incl - slot_count;
+        sync_cube();
+        let mut cursor = u32::new(0);
+        if active {
+            cursor = by_pos[pos as usize];
+        }
+
+        // Its pairs, ascending.
+        for ch in 0..n_chunks {
+            let base = ch * chunk_len;
+            #[unroll]
+            for i in 0..loads {
+                let j = i * threads + tid;
+                if base + j < total {
+                    chunk[j] = ids[base + j];
+                }
+            }
+            sync_cube();
+            let mut len = total - base;
+            if len > chunk_len {
+                len = chunk_len;
+            }
+            if active {
+                for j in 0..len {
+                    if chunk[j] == me {
+                        pairs_out[cursor as usize] = (base + j) as u32;
+                        cursor += 1;
+                    }
+                }
+            }
+            sync_cube();
+        }
+    }
+
+    /// Routes `m` tokens on the device: `logits` `[m, spec.experts]` f32 (the gate's output), `bias`
+    /// `[spec.experts]` f32 (`e_score_correction_bias`). Two launches (route, group); nothing is read back.
+    ///
+    /// # Errors
+    /// `spec` fails [`RouterSpec::validate`], or `m` is 0.
+    pub fn route_on_device<R: Runtime>(
+        client: &ComputeClient<R>,
+        spec: &RouterSpec,
+        logits: &Handle,
+        bias: &Handle,
+        m: usize,
+    ) -> crate::Result<GpuRouting> {
+        spec.validate()?;
+        if m == 0 {
+            return Err(crate::QuantError::invalid("m", "no tokens to route".to_string()));
+        }
+        let (e, k) = (spec.experts, spec.top_k);
+        let pairs = m * k;
+        let ids = client.empty(pairs * 4);
+        let weights = client.empty(pairs * 4);
+        let experts = client.empty(e * 4);
+        let offsets = client.empty((e + 1) * 4);
+        let pair_ids = client.empty(pairs * 4);
+        let bounds = client.empty(4 * 4);
+        let threads = spec.group_threads();
+        // SAFETY: `logits` holds `[m, E]` and `bias` `[E]` f32 (the caller's contract, sizes checked by the
+        // kernels' array lengths); every output is allocated above at the size the kernels write: ids/weights/pairs
+        // `m * k`, experts `E`, offsets `E + 1`, bounds 4. Expert ids written are `< E` (each block picks among its
+        // `E` scores), so the grouping's per-expert threads cover them all.
+        unsafe {
+            route_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(m as u32, 1, 1),
+                CubeDim::new_1d(ROUTE_THREADS as u32),
+                ArrayArg::from_raw_parts(logits.clone(), m * e),
+                ArrayArg::from_raw_parts(bias.clone(), e),
+                ArrayArg::from_raw_parts(ids.clone(), pairs),
+                ArrayArg::from_raw_parts(weights.clone(), pairs),
+                spec.routed_scaling_factor,
+                e,
+                spec.n_group,
+                spec.topk_group,
+                k,
+                spec.norm_topk_prob,
+            );
+            group_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(threads as u32),
+                ArrayArg::from_raw_parts(ids.clone(), pairs),
+                ArrayArg::from_raw_parts(experts.clone(), e),
+                ArrayArg::from_raw_parts(offsets.clone(), e + 1),
+                ArrayArg::from_raw_parts(pair_ids.clone(), pairs),
+                ArrayArg::from_raw_parts(bounds.clone(), 4),
+                pairs as u32,
+                e,
+                threads,
+            );
+        }
+        Ok(GpuRouting::from_device(m, k, e, class_grid(m, k, e), ids, experts, offsets, pair_ids, weights, bounds))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(experts: usize, n_group: usize, topk_group: usize, top_k: usize) -> RouterSpec {
+        RouterSpec { experts, n_group, topk_group, top_k, norm_topk_prob: true, routed_scaling_factor: 2.827 }
+    }
+
+    #[test]
+    fn specs_the_kernels_cannot_take_are_refused_by_field() {
+        assert!(spec(384, 1, 1, 8).validate().is_ok());
+        assert!(spec(256, 8, 4, 8).validate().is_ok());
+        let field = |s: RouterSpec| s.validate().unwrap_err().to_string();
+        assert!(field(spec(2048, 1, 1, 8)).contains("n_routed_experts"));
+        assert!(field(spec(384, 5, 1, 8)).contains("n_group"));
+        assert!(field(spec(8, 8, 1, 1)).contains("n_group"));
+        assert!(field(spec(256, 8, 9, 8)).contains("topk_group"));
+        assert!(field(spec(16, 8, 1, 3)).contains("num_experts_per_tok"));
+        assert_eq!(spec(384, 1, 1, 8).group_threads(), 512);
+        assert_eq!(spec(8, 1, 1, 2).group_threads(), 32);
+    }
+
+    #[test]
+    fn class_grids_cover_what_a_class_can_hold() {
+        // One token: its experts are all 1-token experts, exactly top_k of them.
+        assert_eq!(class_grid(1, 8, 384), [8, 0, 0]);
+        // Two tokens: no expert can have 3.
+        assert_eq!(class_grid(2, 8, 384)[2], 0);
+        for m in [3, 8, 32, 128, 1024, 8192] {
+            let g = class_grid(m, 8, 384);
+            let pairs = m * 8;
+            for (c, &n) in g.iter().enumerate() {
+                assert!(n >= 1 && n as usize <= 384.min(pairs / (c + 1)), "m {m} class {c}: {n}");
+            }
+        }
+        // A long prefill: every expert has many tokens.
+        assert_eq!(class_grid(8192, 8, 384)[2], 384);
+        // Batch 8: about 54 experts with one token, 4.5 with two.
+        let g = class_grid(8, 8, 384);
+        assert!((54..=64).contains(&g[0]) && (6..=8).contains(&g[1]), "{g:?}");
+    }
+}
