@@ -135,6 +135,9 @@ struct Row {
     prefill_s: f64,
     /// Median step with the MoE routing read back to the host (`--compare-host-router`).
     host_router_ms: Option<f64>,
+    /// Median time the host takes to queue a step (until `forward_batch` returns, before the logits are read):
+    /// close to `ms`, the step is bound by the host's launches; well under it, by the GPU.
+    enqueue_ms: f64,
 }
 
 /// `--compare-host-router`: each batch also timed with the MoE router on the host.
@@ -180,13 +183,16 @@ fn run_split<B: ParallelBackend>(
             eprintln!("[{:.0} s] split {tp}x{ep} batch {batch}: prefilled {end} of {context}", t());
         }
         let prefill_s = prefill.elapsed().as_secs_f64();
-        let mut step = |group: &mut ParallelGroup<B>, i: usize| -> Result<(), Error> {
+        // Returns the host's enqueue time: until the step's last launch is queued, before the logits are read.
+        let mut step = |group: &mut ParallelGroup<B>, i: usize| -> Result<f64, Error> {
+            let start = Instant::now();
             let tokens: Vec<[u32; 1]> = (0..batch).map(|s| [((s * 31 + i * 17) % vocab) as u32]).collect();
             let mut entries: Vec<BatchEntry<'_>> =
                 seqs.iter_mut().zip(&tokens).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
             let logits = group.forward_batch(&mut entries, &mut cache, LogitRows::Last, &device)?;
+            let enqueue = start.elapsed().as_secs_f64() * 1e3;
             let _ = logits.into_data();
-            Ok(())
+            Ok(enqueue)
         };
         for i in 0..warmup {
             step(&mut group, i)?;
@@ -195,13 +201,15 @@ fn run_split<B: ParallelBackend>(
         let before = group.time_in_collectives();
         let timed = Instant::now();
         let mut each = Vec::with_capacity(steps);
+        let mut enqueue = Vec::with_capacity(steps);
         for i in 0..steps {
             let one = Instant::now();
-            step(&mut group, warmup + i)?;
+            enqueue.push(step(&mut group, warmup + i)?);
             each.push(one.elapsed().as_secs_f64() * 1e3);
         }
         let elapsed = timed.elapsed();
         each.sort_by(f64::total_cmp);
+        enqueue.sort_by(f64::total_cmp);
         let share = match (before, group.time_in_collectives()) {
             (Some((_, a)), Some((_, b))) => Some((b - a).as_secs_f64() / elapsed.as_secs_f64()),
             _ => None,
@@ -241,6 +249,7 @@ fn run_split<B: ParallelBackend>(
             gb: bytes / 1e9,
             prefill_s,
             host_router_ms,
+            enqueue_ms: enqueue[steps / 2],
         };
         eprintln!(
             "[{:.0} s] split {tp}x{ep} batch {batch}: {:.1} ms/step median, {:.1} mean, {:.1} max (roofline {:.2} ms), prefill {:.1} s",
@@ -324,7 +333,7 @@ fn write_json(
             serde_json::json!({"tp": r.tp, "ep": r.ep, "gpus": r.tp.max(r.ep), "batch": r.batch,
                 "context": r.context, "ms_per_step": r.ms, "mean_ms": r.mean_ms, "max_ms": r.max_ms, "rank0_gb_per_step": r.gb,
                 "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s,
-                "host_router_ms_per_step": r.host_router_ms})
+                "host_router_ms_per_step": r.host_router_ms, "host_enqueue_ms": r.enqueue_ms})
         })
         .collect();
     let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic weights (INT4 routed experts; dense weights BF16 values, held BF16 on CUDA)", "layers": layers,
@@ -392,12 +401,12 @@ fn main() -> Result<(), Error> {
         LAUNCH_US.get().copied().unwrap_or(f64::NAN)
     );
     println!(
-        "| tp | ep | GPUs | batch | ms/step | rank-0 bytes/step | roofline ms | x roofline | in collectives | prefill s | host-router ms/step |"
+        "| tp | ep | GPUs | batch | ms/step | rank-0 bytes/step | roofline ms | x roofline | in collectives | prefill s | host enqueue ms | host-router ms/step |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} GB | {:.2} | {:.1} | {} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} GB | {:.2} | {:.1} | {} | {:.1} | {:.1} | {} |",
             r.tp,
             r.ep,
             r.tp.max(r.ep),
@@ -408,6 +417,7 @@ fn main() -> Result<(), Error> {
             r.ms / r.roofline_ms,
             r.collective_share.map_or("-".into(), |s| format!("{:.0}%", 100.0 * s)),
             r.prefill_s,
+            r.enqueue_ms,
             r.host_router_ms.map_or("-".into(), |v| format!("{v:.1}"))
         );
     }

@@ -144,7 +144,7 @@ fn main() -> Result<(), Error> {
         let us_generic = time(&device, || drop(generic(xt.clone())));
         println!(
             "| linear (BF16 weights, {}) | {n} x {inp} -> {out} | {e:.1e} | {e_generic:.1e} | {us:.1} | {us_generic:.1} | {ok} |",
-            if n <= eyrie_model::cuda_ops::GEMV_MAX_TOKENS { "GEMV" } else { "cuBLAS GEMM" }
+            if n <= eyrie_model::cuda_ops::gemv_max_tokens() { "GEMV" } else { "cuBLAS GEMM" }
         );
         rows.push(serde_json::json!({"op": "linear_bf16", "n": n, "in": inp, "out": out, "error": e,
             "generic_error": e_generic, "kernel_us": us, "generic_us": us_generic, "ok": ok}));

@@ -58,8 +58,17 @@ impl<B: Backend> PagedMlaCache<B> {
             });
         }
         let width = config.kv_a_dim();
-        let pools =
-            (0..config.num_hidden_layers).map(|_| Tensor::zeros([num_blocks * block_size, width], device)).collect();
+        // Dense buffers, one layer at a time: on CUDA burn allocates a 2-D tensor pitched (rows padded to 512 bytes:
+        // a 576-float latent row takes 2560 bytes, not 2304), and a pitched pool was copied whole, into a dense
+        // buffer, by every attention call: every layer of every step, O(pool) whatever the context (bench/REPORT.md).
+        let pools = (0..config.num_hidden_layers)
+            .map(|_| {
+                let pool = Tensor::zeros([num_blocks * block_size, width], device);
+                #[cfg(feature = "cuda")]
+                let pool = crate::cuda_ops::contiguous(pool);
+                pool
+            })
+            .collect();
         let spare = Tensor::zeros([1, width], device);
         Ok(Self { pools, spare, block_size, blocks: BlockPool::new(num_blocks, block_size) })
     }

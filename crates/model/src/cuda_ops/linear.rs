@@ -8,15 +8,28 @@ use eyrie_quant::cuda::gemm::{Blas, gemm_f32_bf16w};
 
 use super::{Cube, back, float, is_cuda};
 
-/// Most tokens a step sends through the GEMV kernel; wider inputs (prefill chunks) take `gemm`.
+/// Most tokens a step sends through the GEMV kernel by default; wider inputs (prefill chunks) take `gemm`.
 pub const GEMV_MAX_TOKENS: usize = 16;
+
+/// Most tokens a step sends through the GEMV kernel: [`GEMV_MAX_TOKENS`], or `EYRIE_GEMV_MAX_TOKENS` (read once; a
+/// benchmark knob: the GEMV reads the weights once per 8 tokens, the cuBLAS GEMM once, but drains the queue).
+pub fn gemv_max_tokens() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| {
+        std::env::var("EYRIE_GEMV_MAX_TOKENS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&v| v > 0)
+            .unwrap_or(GEMV_MAX_TOKENS)
+    })
+}
 
 /// `x` `[n, k]` f32 times `W^T` for `W` `[rows, k]` BF16 through eyrie-quant's GEMV kernel, or `None` (not CUDA,
 /// other dtypes, more than [`GEMV_MAX_TOKENS`] rows, `k` not a multiple of 8).
 pub(crate) fn gemv<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Tensor<B, 2>> {
     let [n, k] = x.dims();
     let [rows, kw] = w.dims();
-    if !is_cuda::<B>() || n == 0 || n > GEMV_MAX_TOKENS || kw != k || !k.is_multiple_of(8) {
+    if !is_cuda::<B>() || n == 0 || n > gemv_max_tokens() || kw != k || !k.is_multiple_of(8) {
         return None;
     }
     if w.dtype() != DType::BF16 || x.dtype() != DType::F32 {
@@ -40,7 +53,7 @@ pub(crate) fn gemv_swiglu_pair<B: Backend>(
 ) -> Option<Tensor<B, 2>> {
     let [n, k] = x.dims();
     let [rows, kw] = wg.dims();
-    if !is_cuda::<B>() || n == 0 || n > GEMV_MAX_TOKENS || kw != k || !k.is_multiple_of(8) || wu.dims() != [rows, k] {
+    if !is_cuda::<B>() || n == 0 || n > gemv_max_tokens() || kw != k || !k.is_multiple_of(8) || wu.dims() != [rows, k] {
         return None;
     }
     if wg.dtype() != DType::BF16 || wu.dtype() != DType::BF16 || x.dtype() != DType::F32 {
@@ -89,7 +102,7 @@ fn blas(ordinal: usize) -> Option<std::rc::Rc<Blas>> {
 pub(crate) fn gemm<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Tensor<B, 2>> {
     let [n, k] = x.dims();
     let [rows, kw] = w.dims();
-    if !is_cuda::<B>() || n <= GEMV_MAX_TOKENS || kw != k || !k.is_multiple_of(2) || rows == 0 {
+    if !is_cuda::<B>() || n <= gemv_max_tokens() || kw != k || !k.is_multiple_of(2) || rows == 0 {
         return None;
     }
     if w.dtype() != DType::BF16 || x.dtype() != DType::F32 {

@@ -42,6 +42,7 @@ pub(crate) fn mla_attention<B: Backend>(
     // [H, N, r + rot] -> [N, H, r + rot], made contiguous by `float`.
     let q = Tensor::cat(vec![q_lat.clone(), q_pe.clone()], 2).swap_dims(0, 1);
     let qc = float(q)?;
+    super::warn_if_pool_not_dense(pool);
     let pc = float(pool.clone())?;
     let client = qc.client.clone();
     let props = client.properties();
@@ -360,6 +361,7 @@ pub fn mla_absorbed<B: Backend>(
     let wc = float(kv_b.clone())?;
     let cc = float(cos.clone())?;
     let sc = float(sin.clone())?;
+    super::warn_if_pool_not_dense(pool);
     let pc = float(pool.clone())?;
     let client = qc.client.clone();
     type Cu = cubecl::cuda::CudaRuntime;

@@ -19,7 +19,7 @@ pub mod mla;
 pub mod norm;
 pub mod rope;
 
-pub use linear::GEMV_MAX_TOKENS;
+pub use linear::{GEMV_MAX_TOKENS, gemv_max_tokens};
 pub(crate) use linear::{gemm, gemv, gemv_swiglu_pair};
 pub use mla::{
     MlaDims, mla_absorbed, mla_latent_kernel, mla_latent_write, mla_latent_write_checked, mla_output_kernel,
@@ -49,6 +49,27 @@ pub(crate) fn float<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<Cube>
 pub(crate) fn int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -> Option<Cube> {
     let boxed: Box<dyn Any> = Box::new(t.into_primitive());
     boxed.downcast::<Cube>().ok().map(|c| into_contiguous(*c))
+}
+
+/// Whether `t` is a CUDA tensor whose buffer is dense (row-major, no pitch): [`float`] would not copy it.
+pub(crate) fn is_dense<B: Backend, const D: usize>(t: &Tensor<B, D>) -> bool {
+    let boxed: Box<dyn Any> = Box::new(t.clone().into_primitive().tensor());
+    boxed.downcast::<Cube>().is_ok_and(|c| c.is_contiguous())
+}
+
+/// Warns once that a KV pool handed to the attention is not dense (it is then copied whole at every call; the
+/// cache makes its pools dense at creation, so this means a pool was made some other way).
+pub(crate) fn warn_if_pool_not_dense<B: Backend>(pool: &Tensor<B, 2>) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    if !is_dense(pool) {
+        WARNED.call_once(|| {
+            eprintln!(
+                "eyrie: warning: a KV pool of shape {:?} is not dense (pitched rows); the attention copies it whole \
+                 at every call",
+                pool.dims()
+            )
+        });
+    }
 }
 
 /// A CUDA buffer as a float tensor of `B` (which must be the CUDA backend).
