@@ -19,7 +19,8 @@ use eyrie_quant::cuda::MoeShape;
 use eyrie_quant::cuda::offline::{CudaKernelSource, cuda_source};
 use eyrie_quant::cuda::resources::{Arch, BlockNeeds, PtxasUsage, check_limits, log_errors, parse_ptxas_log};
 use eyrie_quant::cuda::specs::{
-    KIMI_DENSE_K, KIMI_MLA, KernelSpec, ROUTERS, attention_and_dense_specs, moe_kernel_specs, router_specs,
+    KIMI_DENSE_K, KIMI_MLA, KIMI_NORM_WIDTHS, KernelSpec, ROUTERS, attention_and_dense_specs, mla_and_norm_specs,
+    moe_kernel_specs, router_specs,
 };
 use serde_json::json;
 
@@ -185,6 +186,7 @@ fn main() -> Result<()> {
     for router in &ROUTERS {
         specs.extend(router_specs(router));
     }
+    specs.extend(mla_and_norm_specs(&KIMI_NORM_WIDTHS));
     for spec in specs {
         let src = cuda_source(&spec, args.arch, cuda_version).map_err(anyhow::Error::msg)?;
         if let Some(dir) = &args.dump {
@@ -288,6 +290,16 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     "experts": experts, "n_group": n_group, "topk_group": topk_group, "top_k": top_k, "norm": norm,
                 }),
                 KernelSpec::Group { experts } => json!({"experts": experts}),
+                KernelSpec::RmsNorm { width, add } => json!({"width": width, "add": add}),
+                KernelSpec::RopeRows { half, interleave } => json!({"half": half, "interleave": interleave}),
+                KernelSpec::MlaQuery { heads, dims, tb, groups, interleave } => json!({
+                    "heads": heads, "nope": dims.0, "rot": dims.1, "vd": dims.2, "r": dims.3, "tb": tb,
+                    "groups": groups, "interleave": interleave,
+                }),
+                KernelSpec::MlaOutput { heads, dims, ra, tb, warps } => json!({
+                    "heads": heads, "nope": dims.0, "vd": dims.1, "r": dims.2, "ra": ra, "tb": tb, "warps": warps,
+                }),
+                KernelSpec::MlaLatent { r, rot, interleave } => json!({"r": r, "rot": rot, "interleave": interleave}),
             };
             json!({
                 "entry": r.src.entry,

@@ -5,7 +5,9 @@
 //!
 //! By concept: [`linear`] (BF16 Linears: GEMV, SwiGLU GEMV, the cuBLAS prefill GEMM), [`norm`] (RMSNorm, with the
 //! residual add), [`rope`] (RoPE of row groups), [`mla`] (attention over the paged cache, the absorption, the cache
-//! writes); this module holds the tensor <-> buffer plumbing they share.
+//! writes); this module holds the tensor <-> buffer plumbing they share. The kernels themselves are eyrie-quant's
+//! (`eyrie_quant::cuda::{dense, gemm, attention, mla, norm, rope}`), so `cargo xtask kernels` compiles every one of
+//! them for each target architecture; these modules launch them on burn's tensors.
 
 use std::any::Any;
 
@@ -19,17 +21,15 @@ pub mod mla;
 pub mod norm;
 pub mod rope;
 
+pub use eyrie_quant::cuda::mla::{mla_latent_kernel, mla_output_kernel, mla_query_kernel};
+pub use eyrie_quant::cuda::norm::rms_norm_kernel;
+pub use eyrie_quant::cuda::rope::rope_rows_kernel;
 pub use linear::{GEMV_MAX_TOKENS, gemv_max_tokens};
 pub(crate) use linear::{gemm, gemv, gemv_swiglu_pair};
-pub use mla::{
-    MlaDims, mla_absorbed, mla_latent_kernel, mla_latent_write, mla_latent_write_checked, mla_output_kernel,
-    mla_query_kernel,
-};
+pub use mla::{MlaDims, mla_absorbed, mla_latent_write, mla_latent_write_checked};
 pub(crate) use mla::{mla_attention, write_rows};
-pub use norm::rms_norm_kernel;
 pub(crate) use norm::{add_rms_norm, rms_norm};
 pub(crate) use rope::rope_rows;
-pub use rope::rope_rows_kernel;
 
 /// burn's CUDA tensor primitive (float and int alike).
 pub(crate) type Cube = burn_cubecl::tensor::CubeTensor<cubecl::cuda::CudaRuntime>;

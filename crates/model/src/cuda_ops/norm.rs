@@ -5,73 +5,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor};
 use cubecl::prelude::*;
 
-use super::{Cube, back, float, is_cuda};
+use eyrie_quant::cuda::norm::{RMS_NORM_WARPS, rms_norm_kernel};
 
-/// RMSNorm of each row in one launch (the generic path is seven burn ops: square, mean, add, sqrt, reciprocal and
-/// two products); with `add`, of `x + res` (the residual stream's update, written to `sum`), in the same launch. One
-/// block of 8 warps per row; f32 throughout; the row's sum of squares in a different order than burn's mean, so
-/// results differ from the generic path by f32 rounding only.
-#[cube(launch_unchecked, address_type = "dynamic")]
-#[allow(clippy::manual_div_ceil, clippy::too_many_arguments)]
-pub fn rms_norm_kernel<N: Size>(
-    x: &Array<Vector<f32, N>>,
-    res: &Array<Vector<f32, N>>,
-    w: &Array<Vector<f32, N>>,
-    sum: &mut Array<Vector<f32, N>>,
-    out: &mut Array<Vector<f32, N>>,
-    eps: f32,
-    #[comptime] width: usize,
-    #[comptime] warps: usize,
-    #[comptime] add: bool,
-) {
-    let row = CUBE_POS_X as usize;
-    let tid = UNIT_POS as usize;
-    let lane = UNIT_POS_X as usize;
-    let warp = UNIT_POS_Y as usize;
-    let wv = comptime!(width / 4);
-    let threads = comptime!(32 * warps);
-    let mut ss = f32::new(0.0);
-    for i in 0..comptime!((width / 4).div_ceil(32 * warps)) {
-        let v = tid + i * threads;
-        if v < wv {
-            let mut a = x[row * wv + v];
-            if add {
-                a += res[row * wv + v];
-                sum[row * wv + v] = a;
-            }
-            ss += a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
-        }
-    }
-    let s = plane_sum(ss);
-    let mut part = SharedMemory::<f32>::new(warps);
-    if lane == 0 {
-        part[warp] = s;
-    }
-    sync_cube();
-    let mut total = f32::new(0.0);
-    #[unroll]
-    for q in 0..warps {
-        total += part[q];
-    }
-    let inv = f32::new(1.0) / (total / f32::new(comptime!(width as f32)) + eps).sqrt();
-    for i in 0..comptime!((width / 4).div_ceil(32 * warps)) {
-        let v = tid + i * threads;
-        if v < wv {
-            // (This thread wrote `sum[row, v]` itself in the first pass.)
-            let mut a = x[row * wv + v];
-            if add {
-                a = sum[row * wv + v];
-            }
-            let g = w[v];
-            let mut o = Vector::<f32, N>::empty();
-            o[0] = a[0] * inv * g[0];
-            o[1] = a[1] * inv * g[1];
-            o[2] = a[2] * inv * g[2];
-            o[3] = a[3] * inv * g[3];
-            out[row * wv + v] = o;
-        }
-    }
-}
+use super::{Cube, back, float, is_cuda};
 
 /// RMSNorm of `x` `[n, width]` (f32) with weight `[width]` (f32) in one launch, or `None` (not CUDA, other dtypes,
 /// `width` not a multiple of 4, no rows).
@@ -121,7 +57,7 @@ fn rms_norm_launch<B: Backend>(
         Some(r) => (r.handle.clone(), client.empty(n * width * 4)),
         None => (xc.handle.clone(), out.clone()),
     };
-    let warps = 8usize;
+    let warps = RMS_NORM_WARPS;
     // SAFETY: `x`, `res`, `sum` and `out` hold `n * width` f32 and `weight` `width` (checked above, contiguous); the
     // kernel reads and writes only row `CUBE_POS_X < n`, vectors `< width / 4`.
     unsafe {

@@ -5,43 +5,9 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor};
 use cubecl::prelude::*;
 
-use super::{Cube, back, float, is_cuda};
+use eyrie_quant::cuda::rope::rope_rows_kernel;
 
-/// RoPE of columns `off..off + d` of each row of `x` `[rows, cols]` (row `i` at position row `i / group` of the
-/// tables), written as `[x1 cos - x2 sin | x2 cos + x1 sin]` into `out` `[rows, d]` (`rope::RotaryEmbedding`'s
-/// layout). One thread per rotated pair.
-#[cube(launch_unchecked, address_type = "dynamic")]
-#[allow(clippy::too_many_arguments)]
-pub fn rope_rows_kernel(
-    x: &Array<f32>,
-    cos: &Array<f32>,
-    sin: &Array<f32>,
-    out: &mut Array<f32>,
-    pairs: u32,
-    cols: u32,
-    off: u32,
-    group: u32,
-    #[comptime] half: usize,
-    #[comptime] interleave: bool,
-) {
-    let idx = ABSOLUTE_POS;
-    if idx < pairs as usize {
-        let row = idx / half;
-        let i = idx % half;
-        let tok = row / group as usize;
-        let base = row * cols as usize + off as usize;
-        let mut a = x[base + i];
-        let mut b = x[base + half + i];
-        if interleave {
-            a = x[base + 2 * i];
-            b = x[base + 2 * i + 1];
-        }
-        let c = cos[tok * half + i];
-        let s = sin[tok * half + i];
-        out[row * 2 * half + i] = a * c - b * s;
-        out[row * 2 * half + half + i] = b * c + a * s;
-    }
-}
+use super::{Cube, back, float, is_cuda};
 
 /// [`rope_rows_kernel`] over `x` `[rows, cols]` f32 with `cos`/`sin` `[rows / group, d / 2]` f32 -> `[rows, d]`, or
 /// `None` (not CUDA, other dtypes or shapes).

@@ -24,7 +24,13 @@ pub mod gpu;
 #[cfg(feature = "cuda")]
 mod kernels;
 #[cfg(feature = "cuda")]
+pub mod mla;
+#[cfg(feature = "cuda")]
+pub mod norm;
+#[cfg(feature = "cuda")]
 pub mod offline;
+#[cfg(feature = "cuda")]
+pub mod rope;
 #[cfg(feature = "cuda")]
 pub mod specs;
 

@@ -21,7 +21,10 @@ use super::attention::{mla_attention_kernel, mla_combine_kernel};
 use super::dense::{gemv_bf16_kernel, gemv_swiglu_kernel};
 use super::gemm::{split_bf16x3_kernel, sum3_kernel};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
+use super::mla::{mla_latent_kernel, mla_output_kernel, mla_query_kernel};
+use super::norm::rms_norm_kernel;
 use super::resources::Arch;
+use super::rope::rope_rows_kernel;
 use super::router::{group_kernel, route_kernel};
 use super::specs::{Act, ExpertRowsSpec, KernelSpec};
 
@@ -355,6 +358,128 @@ fn define_group(experts: usize, props: &DeviceProperties) -> KernelDefinition {
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name("group_kernel"))
 }
 
+fn define_rms_norm(width: usize, add: bool, props: &DeviceProperties) -> KernelDefinition {
+    use rms_norm_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let warps = super::norm::RMS_NORM_WARPS;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let x = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let res = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let w = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let sum = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let out = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let eps = <f32 as LaunchArg>::expand(&(), &mut b);
+    rms_norm_kernel::expand::<N>(&mut b.scope, VEC, x, res, w, sum, out, eps, width, warps, add);
+    let name = format!("rms_norm_kernel_n_{VEC}");
+    let dim = CubeDim::new_2d(32, warps as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
+
+fn define_rope_rows(half: usize, interleave: bool, props: &DeviceProperties) -> KernelDefinition {
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    let a = ARRAY;
+    let x = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let cos = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let sin = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let pairs = <u32 as LaunchArg>::expand(&(), &mut b);
+    let cols = <u32 as LaunchArg>::expand(&(), &mut b);
+    let off = <u32 as LaunchArg>::expand(&(), &mut b);
+    let group = <u32 as LaunchArg>::expand(&(), &mut b);
+    rope_rows_kernel::expand(&mut b.scope, x, cos, sin, out, pairs, cols, off, group, half, interleave);
+    let dim = CubeDim::new_1d(256);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name("rope_rows_kernel"))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn define_mla_query(
+    heads: usize,
+    (nope, rot, vd, r): (usize, usize, usize, usize),
+    tb: usize,
+    groups: usize,
+    interleave: bool,
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    use mla_query_kernel::_N;
+    type N = DynamicSize<_N>;
+    // The launcher reads the BF16 weight pairs as 8-byte vectors of two words.
+    const W_VEC: usize = 2;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(W_VEC);
+    let a = ARRAY;
+    let q = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let w = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let cos = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let sin = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let tokens = <u32 as LaunchArg>::expand(&(), &mut b);
+    mla_query_kernel::expand::<N>(
+        &mut b.scope,
+        W_VEC,
+        q,
+        w,
+        cos,
+        sin,
+        out,
+        tokens,
+        heads,
+        nope,
+        rot,
+        vd,
+        r,
+        tb,
+        groups,
+        interleave,
+    );
+    let name = format!("mla_query_kernel_n_{W_VEC}");
+    let dim = CubeDim::new_2d((r / 4) as u32, groups as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
+
+fn define_mla_output(
+    heads: usize,
+    (nope, vd, r): (usize, usize, usize),
+    (ra, tb, warps): (usize, usize, usize),
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    use mla_output_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let o_lat = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let w = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let tokens = <u32 as LaunchArg>::expand(&(), &mut b);
+    mla_output_kernel::expand::<N>(&mut b.scope, VEC, o_lat, w, out, tokens, heads, nope, vd, r, ra, tb, warps);
+    let name = format!("mla_output_kernel_n_{VEC}");
+    let dim = CubeDim::new_2d(32, warps as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
+
+fn define_mla_latent(r: usize, rot: usize, interleave: bool, props: &DeviceProperties) -> KernelDefinition {
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    let a = ARRAY;
+    let kv = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let w = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let cos = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let sin = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let slots = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let pool = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let eps = <f32 as LaunchArg>::expand(&(), &mut b);
+    let row_stride = <u32 as LaunchArg>::expand(&(), &mut b);
+    mla_latent_kernel::expand(&mut b.scope, kv, w, cos, sin, slots, pool, eps, row_stride, r, rot, interleave);
+    let dim = CubeDim::new_2d(32, super::mla::LATENT_WARPS as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name("mla_latent_kernel"))
+}
+
 /// Compiles `spec` to CUDA C++ for `arch`, as cubecl-cuda would on a device of that architecture with CUDA
 /// bindings of version `cuda_version` (unchecked launches, as the launcher's).
 pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<CudaKernelSource, String> {
@@ -375,6 +500,17 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
             (define_route(*experts, *n_group, *topk_group, *top_k, *norm, &props), AddressType::U32)
         }
         KernelSpec::Group { experts } => (define_group(*experts, &props), AddressType::U32),
+        KernelSpec::RmsNorm { width, add } => (define_rms_norm(*width, *add, &props), AddressType::U32),
+        KernelSpec::RopeRows { half, interleave } => (define_rope_rows(*half, *interleave, &props), AddressType::U32),
+        KernelSpec::MlaQuery { heads, dims, tb, groups, interleave } => {
+            (define_mla_query(*heads, *dims, *tb, *groups, *interleave, &props), AddressType::U32)
+        }
+        KernelSpec::MlaOutput { heads, dims, ra, tb, warps } => {
+            (define_mla_output(*heads, *dims, (*ra, *tb, *warps), &props), AddressType::U32)
+        }
+        KernelSpec::MlaLatent { r, rot, interleave } => {
+            (define_mla_latent(*r, *rot, *interleave, &props), AddressType::U32)
+        }
     };
     let entry = def.options.kernel_name.clone();
     let dim = def.cube_dim;

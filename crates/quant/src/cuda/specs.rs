@@ -236,6 +236,55 @@ pub enum KernelSpec {
         /// Routed experts.
         experts: usize,
     },
+    /// `norm::rms_norm_kernel` (RMSNorm of rows, optionally with the residual add).
+    RmsNorm {
+        /// Row width.
+        width: usize,
+        /// With the residual add.
+        add: bool,
+    },
+    /// `rope::rope_rows_kernel` (RoPE of row groups).
+    RopeRows {
+        /// Rotated pairs per row (`rot / 2`).
+        half: usize,
+        /// Interleaved pairs (else rotate-half).
+        interleave: bool,
+    },
+    /// `mla::mla_query_kernel` (query absorption + RoPE).
+    MlaQuery {
+        /// Heads (of a tensor-parallel rank).
+        heads: usize,
+        /// `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`, `kv_lora_rank`.
+        dims: (usize, usize, usize, usize),
+        /// Tokens per block.
+        tb: usize,
+        /// Thread groups per block.
+        groups: usize,
+        /// Interleaved RoPE pairs.
+        interleave: bool,
+    },
+    /// `mla::mla_output_kernel` (value absorption).
+    MlaOutput {
+        /// Heads (of a tensor-parallel rank).
+        heads: usize,
+        /// `qk_nope_head_dim`, `v_head_dim`, `kv_lora_rank`.
+        dims: (usize, usize, usize),
+        /// Rows per warp.
+        ra: usize,
+        /// Tokens per block.
+        tb: usize,
+        /// Warps per block.
+        warps: usize,
+    },
+    /// `mla::mla_latent_kernel` (kv_a norm + RoPE + the write into the cache).
+    MlaLatent {
+        /// `kv_lora_rank`.
+        r: usize,
+        /// `qk_rope_head_dim`.
+        rot: usize,
+        /// Interleaved RoPE pairs.
+        interleave: bool,
+    },
 }
 
 impl KernelSpec {
@@ -250,6 +299,11 @@ impl KernelSpec {
             Self::SplitBf16x3 | Self::Sum3 => CubeDim::new_1d(256),
             Self::Route { .. } => CubeDim::new_1d(crate::cuda::router::ROUTE_THREADS as u32),
             Self::Group { experts } => CubeDim::new_1d(experts.next_power_of_two().max(32) as u32),
+            Self::RmsNorm { .. } => CubeDim::new_2d(32, crate::cuda::norm::RMS_NORM_WARPS as u32),
+            Self::RopeRows { .. } => CubeDim::new_1d(256),
+            Self::MlaQuery { dims, groups, .. } => CubeDim::new_2d((dims.3 / 4) as u32, *groups as u32),
+            Self::MlaOutput { warps, .. } => CubeDim::new_2d(32, *warps as u32),
+            Self::MlaLatent { .. } => CubeDim::new_2d(32, crate::cuda::mla::LATENT_WARPS as u32),
         }
     }
 
@@ -273,6 +327,13 @@ impl KernelSpec {
                 format!("route e{experts} groups{n_group}/{topk_group} top{top_k} norm{}", u8::from(*norm))
             }
             Self::Group { experts } => format!("group e{experts}"),
+            Self::RmsNorm { width, add } => format!("rms_norm w{width}{}", if *add { " +res" } else { "" }),
+            Self::RopeRows { half, interleave } => format!("rope_rows half{half} il{}", u8::from(*interleave)),
+            Self::MlaQuery { heads, tb, groups, interleave, .. } => {
+                format!("mla_query h{heads} tb{tb} g{groups} il{}", u8::from(*interleave))
+            }
+            Self::MlaOutput { heads, ra, tb, warps, .. } => format!("mla_output h{heads} ra{ra} tb{tb} w{warps}"),
+            Self::MlaLatent { r, rot, interleave } => format!("mla_latent r{r} rot{rot} il{}", u8::from(*interleave)),
         }
     }
 }
@@ -353,6 +414,45 @@ pub fn router_specs(spec: &crate::cuda::router::RouterSpec) -> Vec<KernelSpec> {
     ]
 }
 
+/// Every specialisation eyrie-model launches of the MLA and norm kernels (`cuda::{mla, norm, rope}`) for a model
+/// of Kimi-K2's attention shapes (`nope` 128, `rot` 64, `vd` 128, `r` 512) at 64 heads and the 32, 16 and 8 heads a
+/// tensor-parallel rank of 2, 4 or 8 holds, both RoPE layouts, decode and verification widths up to 32 rows and
+/// prefill (the launch shapes of `mla::query_launch` / `mla::output_launch`), and the norm widths `norm_widths`.
+pub fn mla_and_norm_specs(norm_widths: &[usize]) -> Vec<KernelSpec> {
+    let (nope, rot, vd, r) = (128, 64, 128, 512);
+    let mut out = Vec::new();
+    let mut push = |k: KernelSpec| {
+        if !out.contains(&k) {
+            out.push(k);
+        }
+    };
+    for &width in norm_widths {
+        for add in [false, true] {
+            push(KernelSpec::RmsNorm { width, add });
+        }
+    }
+    for interleave in [false, true] {
+        push(KernelSpec::RopeRows { half: rot / 2, interleave });
+        push(KernelSpec::MlaLatent { r, rot, interleave });
+        for heads in [64, 32, 16, 8] {
+            for n in [1, 2, 3, 4, 8, 16, 17, 32] {
+                let (tb, groups) = crate::cuda::mla::query_launch(n, nope);
+                push(KernelSpec::MlaQuery { heads, dims: (nope, rot, vd, r), tb, groups, interleave });
+            }
+        }
+    }
+    for heads in [64, 32, 16, 8] {
+        for n in [1, 2, 3, 4, 8, 16] {
+            let (tb, ra, warps) = crate::cuda::mla::output_launch(n, vd);
+            push(KernelSpec::MlaOutput { heads, dims: (nope, vd, r), ra, tb, warps });
+        }
+    }
+    out
+}
+
+/// Kimi-K2's norm widths that run the RMSNorm kernel: hidden, q_lora, kv_lora.
+pub const KIMI_NORM_WIDTHS: [usize; 3] = [7168, 1536, 512];
+
 /// Kimi-K2's router (384 experts, one group, top-8) and DeepSeek-V3's (256 experts, 8 groups of which 4 are kept,
 /// top-8).
 pub const ROUTERS: [crate::cuda::router::RouterSpec; 2] = [
@@ -407,6 +507,25 @@ mod tests {
         assert!(sm120.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 1 }));
         assert!(!sm120.iter().any(|s| matches!(s, KernelSpec::MlaAttention { warps: 2.., .. })));
         assert!(sm120.iter().filter(|s| matches!(s, KernelSpec::Gemv { .. })).count() >= 4);
+    }
+
+    #[test]
+    fn mla_specs_cover_every_launch_the_model_picks() {
+        let specs = mla_and_norm_specs(&KIMI_NORM_WIDTHS);
+        for heads in [64, 32, 16, 8] {
+            for n in 1..=300 {
+                let (tb, groups) = crate::cuda::mla::query_launch(n, 128);
+                for interleave in [false, true] {
+                    let q = KernelSpec::MlaQuery { heads, dims: (128, 64, 128, 512), tb, groups, interleave };
+                    assert!(specs.contains(&q), "{q:?}");
+                }
+                let (tb, ra, warps) = crate::cuda::mla::output_launch(n, 128);
+                let o = KernelSpec::MlaOutput { heads, dims: (128, 128, 512), ra, tb, warps };
+                assert!(specs.contains(&o), "{o:?}");
+            }
+        }
+        assert!(specs.contains(&KernelSpec::RmsNorm { width: 7168, add: true }));
+        assert!(specs.contains(&KernelSpec::MlaLatent { r: 512, rot: 64, interleave: true }));
     }
 
     #[test]
