@@ -282,6 +282,19 @@ mod kernel {
     use super::{DeviceRouter, FusedExperts, KERNEL_MAX_PAIRS};
     use crate::cuda_ops::{Cube, back, float, int};
 
+    /// The experts' buffers as eyrie-quant's kernels take them (the same device memory, no copy: the buffers are
+    /// dense since [`FusedExperts::from_experts`]).
+    fn gpu_experts<B: Backend>(f: &FusedExperts<B>) -> Option<GpuExperts<burn::cubecl::cuda::CudaRuntime>> {
+        GpuExperts::from_handles(
+            f.shape,
+            int(f.w13.clone())?.handle,
+            float(f.s13.clone())?.handle,
+            int(f.w2.clone())?.handle,
+            float(f.s2.clone())?.handle,
+        )
+        .ok()
+    }
+
     /// The layer with the device router (see [`FusedExperts::run_routed_on_device`]).
     pub(super) fn run_routed<B: Backend>(
         f: &FusedExperts<B>,
@@ -304,14 +317,7 @@ mod kernel {
             return None;
         }
         let client = xc.client.clone();
-        let experts = GpuExperts::from_handles(
-            f.shape,
-            int(f.w13.clone())?.handle,
-            float(f.s13.clone())?.handle,
-            int(f.w2.clone())?.handle,
-            float(f.s2.clone())?.handle,
-        )
-        .ok()?;
+        let experts = gpu_experts(f)?;
         let routing = route_on_device(&client, spec, &lc.handle, &bc.handle, n).ok()?;
         let out = client.empty(n * d * 4);
         moe_forward::<_, f32>(&client, &experts, &xc.handle, &routing, &out);
@@ -349,14 +355,7 @@ mod kernel {
             return None;
         }
         let client = xc.client.clone();
-        let experts = GpuExperts::from_handles(
-            f.shape,
-            int(f.w13.clone())?.handle,
-            float(f.s13.clone())?.handle,
-            int(f.w2.clone())?.handle,
-            float(f.s2.clone())?.handle,
-        )
-        .ok()?;
+        let experts = gpu_experts(f)?;
         let groute = GpuRouting::upload(&client, &routing, &weights);
         let out = client.empty(m * d * 4);
         moe_forward::<_, f32>(&client, &experts, &xc.handle, &groute, &out);

@@ -371,36 +371,26 @@ mod gpu {
                 class = 1;
             }
         }
-        let mut in0 = u32::new(0);
-        if class == 0 {
-            in0 = 1;
-        }
-        let r0 = inclusive_scan(&mut scan, tid, in0, threads);
-        let n0 = scan[threads - 1];
-        sync_cube();
-        let mut in1 = u32::new(0);
-        if class == 1 {
-            in1 = 1;
-        }
-        let r1 = inclusive_scan(&mut scan, tid, in1, threads);
-        let n1 = scan[threads - 1];
-        sync_cube();
-        let mut in2 = u32::new(0);
-        if class == 2 {
-            in2 = 1;
-        }
-        let r2 = inclusive_scan(&mut scan, tid, in2, threads);
-        let n2 = scan[threads - 1];
-        sync_cube();
-
-        // Slot of this expert, and its count at that slot.
+        // Slot of this expert: the experts of the classes before its own, then its rank in its class; the class
+        // bounds are the running totals.
         let mut pos = u32::new(0);
-        if class == 0 {
-            pos = r0 - 1;
-        } else if class == 1 {
-            pos = n0 + r1 - 1;
-        } else if class == 2 {
-            pos = n0 + n1 + r2 - 1;
+        let mut before = u32::new(0);
+        #[unroll]
+        for c in 0..3u32 {
+            let mut ind = u32::new(0);
+            if class == c {
+                ind = 1;
+            }
+            let rank = inclusive_scan(&mut scan, tid, ind, threads);
+            let total = scan[threads - 1];
+            sync_cube();
+            if class == c {
+                pos = before + rank - 1;
+            }
+            before += total;
+            if tid == 0 {
+                bounds[c as usize + 1] = before;
+            }
         }
         by_pos[tid] = 0;
         sync_cube();
@@ -419,9 +409,6 @@ mod gpu {
         if tid == 0 {
             offsets[0] = 0;
             bounds[0] = 0;
-            bounds[1] = n0;
-            bounds[2] = n0 + n1;
-            bounds[3] = n0 + n1 + n2;
         }
         // This expert's first pair: the exclusive prefix at its slot.
         by_pos[tid] = incl - slot_count;
