@@ -266,7 +266,7 @@ fn main() -> Result<(), Error> {
         let (kv_t, cos_t, sin_t) = (t2(&kv, [n, width]), t2(&cos, [n, half]), t2(&sin, [n, half]));
         let w_t = Tensor::<B, 1>::from_data(TensorData::new(w.clone(), [r]), &device);
         let eps = 1e-6;
-        let wrote = match eyrie_model::cuda_ops::mla_latent_write_checked(
+        let wrote = match eyrie_model::cuda_ops::mla_latent_write(
             &pool, &kv_t, &w_t, eps, &cos_t, &sin_t, interleave, &slots,
         ) {
             Ok(()) => true,
@@ -300,7 +300,8 @@ fn main() -> Result<(), Error> {
         let ok = wrote && untouched && e <= 1e-6;
         failed |= !ok;
         let us = time(&device, || {
-            eyrie_model::cuda_ops::mla_latent_write(&pool, &kv_t, &w_t, eps, &cos_t, &sin_t, interleave, &slots);
+            let _ =
+                eyrie_model::cuda_ops::mla_latent_write(&pool, &kv_t, &w_t, eps, &cos_t, &sin_t, interleave, &slots);
         });
         println!(
             "| mla_latent_write (other rows untouched: {untouched}) | {n} rows of 512 + 64 into {pool_rows} | {e:.1e} | - | {us:.1} | - | {ok} |"

@@ -47,10 +47,11 @@ pub fn set_host_router(host: bool) {
 /// Whether the fused path routes on the host (see [`set_host_router`]).
 pub fn host_router() -> bool {
     static ENV: std::sync::Once = std::sync::Once::new();
-    ENV.call_once(|| {
-        if std::env::var("EYRIE_MOE_HOST_ROUTER").is_ok_and(|v| v == "1") {
-            set_host_router(true);
-        }
+    ENV.call_once(|| match std::env::var("EYRIE_MOE_HOST_ROUTER").as_deref() {
+        Ok("1") => set_host_router(true),
+        Ok("0") | Err(std::env::VarError::NotPresent) => {}
+        Ok(other) => eprintln!("eyrie: warning: EYRIE_MOE_HOST_ROUTER={other:?} is not 0 or 1; routing on the device"),
+        Err(e) => eprintln!("eyrie: warning: EYRIE_MOE_HOST_ROUTER: {e}; routing on the device"),
     });
     HOST_ROUTER.load(std::sync::atomic::Ordering::Relaxed)
 }

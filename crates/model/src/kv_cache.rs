@@ -263,6 +263,7 @@ impl<B: Backend> PagedMlaCache<B> {
                 rope.interleave,
                 &slots,
             )
+            .is_ok()
         {
             return;
         }

@@ -15,17 +15,26 @@ pub const GEMV_MAX_TOKENS: usize = 16;
 /// benchmark knob: the GEMV reads the weights once per 8 tokens, the cuBLAS GEMM once, but drains the queue).
 pub fn gemv_max_tokens() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *MAX.get_or_init(|| {
-        std::env::var("EYRIE_GEMV_MAX_TOKENS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&v| v > 0)
-            .unwrap_or(GEMV_MAX_TOKENS)
+    *MAX.get_or_init(|| match std::env::var("EYRIE_GEMV_MAX_TOKENS") {
+        Err(std::env::VarError::NotPresent) => GEMV_MAX_TOKENS,
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if n > 0 => n,
+            _ => {
+                eprintln!(
+                    "eyrie: warning: EYRIE_GEMV_MAX_TOKENS={v:?} is not a positive integer; using {GEMV_MAX_TOKENS}"
+                );
+                GEMV_MAX_TOKENS
+            }
+        },
+        Err(e) => {
+            eprintln!("eyrie: warning: EYRIE_GEMV_MAX_TOKENS: {e}; using {GEMV_MAX_TOKENS}");
+            GEMV_MAX_TOKENS
+        }
     })
 }
 
 /// `x` `[n, k]` f32 times `W^T` for `W` `[rows, k]` BF16 through eyrie-quant's GEMV kernel, or `None` (not CUDA,
-/// other dtypes, more than [`GEMV_MAX_TOKENS`] rows, `k` not a multiple of 8).
+/// other dtypes, more than [`gemv_max_tokens`] rows, `k` not a multiple of 8).
 pub(crate) fn gemv<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Tensor<B, 2>> {
     let [n, k] = x.dims();
     let [rows, kw] = w.dims();

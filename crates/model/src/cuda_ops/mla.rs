@@ -231,28 +231,13 @@ pub fn mla_absorbed<B: Backend>(
 
 /// Writes the step's new latents into `pool` `[P, r + rot]` in place with [`mla_latent_kernel`] from the
 /// `kv_a_proj_with_mqa` output `kv` `[N, r + rot]`, the `kv_a_layernorm` weight `[r]` and eps, the RoPE tables
-/// `[N, rot / 2]` and each row's pool row `slots`; false (nothing written; the caller runs its burn ops) when not
-/// CUDA, other dtypes or shapes, `pool`'s columns not dense, or a slot out of range.
-#[allow(clippy::too_many_arguments)]
-pub fn mla_latent_write<B: Backend>(
-    pool: &Tensor<B, 2>,
-    kv: &Tensor<B, 2>,
-    weight: &Tensor<B, 1>,
-    eps: f64,
-    cos: &Tensor<B, 2>,
-    sin: &Tensor<B, 2>,
-    interleave: bool,
-    slots: &[u32],
-) -> bool {
-    mla_latent_write_checked(pool, kv, weight, eps, cos, sin, interleave, slots).is_ok()
-}
-
-/// [`mla_latent_write`], saying why it wrote nothing.
+/// `[N, rot / 2]` and each row's pool row `slots`.
 ///
 /// # Errors
-/// The check that refused the inputs.
+/// Nothing is written (the caller runs its burn ops) when not CUDA, other dtypes or shapes, `pool`'s columns not
+/// dense, or a slot out of range; the message names the check that refused the inputs.
 #[allow(clippy::too_many_arguments)]
-pub fn mla_latent_write_checked<B: Backend>(
+pub fn mla_latent_write<B: Backend>(
     pool: &Tensor<B, 2>,
     kv: &Tensor<B, 2>,
     weight: &Tensor<B, 1>,

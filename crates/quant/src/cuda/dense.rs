@@ -265,6 +265,33 @@ mod gpu {
         }
     }
 
+    /// The checks and the grid shared by [`gemv_bf16`] and [`gemv_swiglu`]: `n`, `rows`, `k` at least 1 and `k` a
+    /// multiple of 8, a launch shape the kernels take, every buffer at least its `(name, handle, bytes)`; errors
+    /// name the launcher (`what`) and the parameter.
+    fn gemv_launch(
+        what: &str,
+        n: usize,
+        rows: usize,
+        k: usize,
+        cfg: &GemvConfig,
+        sizes: &[(&str, &Handle, usize)],
+    ) -> Result<(CubeCount, AddressType), String> {
+        if n == 0 || rows == 0 || k == 0 || !k.is_multiple_of(8) {
+            return Err(format!("{what}: n {n}, rows {rows}, k {k}: need all >= 1 and k a multiple of 8"));
+        }
+        if !matches!(cfg.tb, 1 | 2 | 4 | 8) || cfg.warps == 0 || cfg.rows_at_once == 0 {
+            return Err(format!("{what}: launch shape {cfg:?}: tb 1, 2, 4 or 8, warps and rows_at_once >= 1"));
+        }
+        for &(name, h, bytes) in sizes {
+            if (h.size_in_used() as usize) < bytes {
+                return Err(format!("{what}: {name} holds {} bytes, needs {bytes}", h.size_in_used()));
+            }
+        }
+        let per_block = cfg.warps * cfg.rows_at_once;
+        let count = CubeCount::Static(rows.div_ceil(per_block) as u32, n.div_ceil(cfg.tb) as u32, 1);
+        Ok((count, AddressType::from_len((rows * k / 2).max(n * k).max(n * rows))))
+    }
+
     /// `out` `[n, rows]` f32 `= silu(x Wg^T) * (x Wu^T)` for `Wg`, `Wu` `[rows, k]` BF16 and `x` `[n, k]` f32 (each
     /// buffer contiguous, row-major), in one launch of [`gemv_swiglu_kernel`]. Sizes as [`gemv_bf16`].
     ///
@@ -282,22 +309,9 @@ mod gpu {
         k: usize,
         cfg: GemvConfig,
     ) -> Result<(), String> {
-        if n == 0 || rows == 0 || k == 0 || !k.is_multiple_of(8) {
-            return Err(format!("gemv_swiglu: n {n}, rows {rows}, k {k}: need all >= 1 and k a multiple of 8"));
-        }
-        if !matches!(cfg.tb, 1 | 2 | 4 | 8) || cfg.warps == 0 || cfg.rows_at_once == 0 {
-            return Err(format!("gemv_swiglu: launch shape {cfg:?}: tb 1, 2, 4 or 8, warps and rows_at_once >= 1"));
-        }
         let sizes =
             [("x", x, n * k * 4), ("wg", wg, rows * k * 2), ("wu", wu, rows * k * 2), ("out", out, n * rows * 4)];
-        for (name, h, bytes) in sizes {
-            if (h.size_in_used() as usize) < bytes {
-                return Err(format!("gemv_swiglu: {name} holds {} bytes, needs {bytes}", h.size_in_used()));
-            }
-        }
-        let per_block = cfg.warps * cfg.rows_at_once;
-        let count = CubeCount::Static(rows.div_ceil(per_block) as u32, n.div_ceil(cfg.tb) as u32, 1);
-        let address = AddressType::from_len((rows * k / 2).max(n * k).max(n * rows));
+        let (count, address) = gemv_launch("gemv_swiglu", n, rows, k, &cfg, &sizes)?;
         // SAFETY: sizes checked above; the kernel clamps row and token indices into range and writes only
         // `out[tok * rows + row]` for `tok < n`, `row < rows`.
         unsafe {
@@ -338,21 +352,8 @@ mod gpu {
         k: usize,
         cfg: GemvConfig,
     ) -> Result<(), String> {
-        if n == 0 || rows == 0 || k == 0 || !k.is_multiple_of(8) {
-            return Err(format!("gemv_bf16: n {n}, rows {rows}, k {k}: need all >= 1 and k a multiple of 8"));
-        }
-        if !matches!(cfg.tb, 1 | 2 | 4 | 8) || cfg.warps == 0 || cfg.rows_at_once == 0 {
-            return Err(format!("gemv_bf16: launch shape {cfg:?}: tb 1, 2, 4 or 8, warps and rows_at_once >= 1"));
-        }
         let sizes = [("x", x, n * k * 4), ("w", w, rows * k * 2), ("out", out, n * rows * 4)];
-        for (name, h, bytes) in sizes {
-            if (h.size_in_used() as usize) < bytes {
-                return Err(format!("gemv_bf16: {name} holds {} bytes, needs {bytes}", h.size_in_used()));
-            }
-        }
-        let per_block = cfg.warps * cfg.rows_at_once;
-        let count = CubeCount::Static(rows.div_ceil(per_block) as u32, n.div_ceil(cfg.tb) as u32, 1);
-        let address = AddressType::from_len((rows * k / 2).max(n * k).max(n * rows));
+        let (count, address) = gemv_launch("gemv_bf16", n, rows, k, &cfg, &sizes)?;
         // SAFETY: sizes checked above; the kernel clamps row and token indices into range and writes only
         // `out[tok * rows + row]` for `tok < n`, `row < rows`.
         unsafe {
