@@ -106,7 +106,7 @@ fn find_cuda(root: &Path, nvrtc: Option<PathBuf>, include: Option<PathBuf>) -> R
 }
 
 /// `cargo xtask kernels [--arch sm_120] [--json FILE] [--nvrtc PATH] [--cuda-include DIR] [--install]
-/// [--dump DIR] [--shape H,I,E,G] [--topk K]`.
+/// [--dump DIR] [--only LABEL_PART] [--shape H,I,E,G] [--topk K]`.
 pub fn kernels(root: &Path, args: &[String]) -> Result<()> {
     let (mut arch, mut json, mut nvrtc, mut include, mut install) = ("sm_120".to_string(), None, None, None, false);
     let mut pass = Vec::new();
@@ -119,7 +119,7 @@ pub fn kernels(root: &Path, args: &[String]) -> Result<()> {
             "--nvrtc" => nvrtc = Some(PathBuf::from(val()?)),
             "--cuda-include" => include = Some(PathBuf::from(val()?)),
             "--install" => install = true,
-            "--dump" | "--shape" | "--topk" => pass.extend([a.clone(), val()?]),
+            "--dump" | "--only" | "--shape" | "--topk" => pass.extend([a.clone(), val()?]),
             other => bail!("unknown argument {other:?} for `cargo xtask kernels`"),
         }
     }

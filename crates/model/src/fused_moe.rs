@@ -9,9 +9,9 @@
 //! Which path a step takes ([`FusedExperts::run`]):
 //! - the kernel, on CUDA, for up to [`KERNEL_MAX_PAIRS`] token-expert pairs (decode, verification and prefill
 //!   chunks of up to 8192 tokens).
-//!   Activations stay f32 (no BF16 rounding of the inputs); the kernel multiplies each weight's exact value
-//!   `q * scale` where compressed-tensors rounds that product to BF16 first, a difference of about 2e-3 of the
-//!   output's norm (`bench/REPORT.md`, fused INT4 MoE correctness);
+//!   Activations stay f32 (no BF16 rounding of the inputs); the kernel computes with the checkpoint's weights
+//!   exactly as compressed-tensors decompresses them, `bf16(q * scale)`, so it does the CPU path's math up to
+//!   f32 summation order (`bench/REPORT.md`, fused INT4 MoE correctness);
 //!   The routing is chosen and grouped on the device ([`DeviceRouter`], `eyrie_quant::cuda::router`) when the
 //!   block's router fits it, so the layer never waits for a host read;
 //! - otherwise (wider steps, or a backend without the kernel) each selected expert is dequantized from the

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! kernel_resources --arch sm_120 --nvrtc /path/libnvrtc.so.12 --include /path/cuda_runtime/include \
-//!     [--json FILE] [--dump DIR] [--shape HIDDEN,INTER,EXPERTS,GROUP --topk 8]
+//!     [--json FILE] [--dump DIR] [--only LABEL_PART] [--shape HIDDEN,INTER,EXPERTS,GROUP --topk 8]
 //! ```
 //!
 //! Exit status 1 when a specialisation does not compile or does not fit a block of the architecture (shared
@@ -112,13 +112,14 @@ struct Args {
     includes: Vec<PathBuf>,
     json: Option<PathBuf>,
     dump: Option<PathBuf>,
+    only: Option<String>,
     shape: MoeShape,
     topk: usize,
 }
 
 fn parse_args() -> Result<Args> {
     let mut it = std::env::args().skip(1);
-    let (mut arch, mut nvrtc, mut includes, mut json, mut dump) = (None, None, Vec::new(), None, None);
+    let (mut arch, mut nvrtc, mut includes, mut json, mut dump, mut only) = (None, None, Vec::new(), None, None, None);
     let (mut shape, mut topk) = (KIMI, 8);
     while let Some(a) = it.next() {
         let mut val = || it.next().with_context(|| format!("{a} needs a value"));
@@ -131,6 +132,7 @@ fn parse_args() -> Result<Args> {
             "--include" => includes.push(PathBuf::from(val()?)),
             "--json" => json = Some(PathBuf::from(val()?)),
             "--dump" => dump = Some(PathBuf::from(val()?)),
+            "--only" => only = Some(val()?),
             "--topk" => topk = val()?.parse().context("--topk")?,
             "--shape" => {
                 let v: Vec<usize> =
@@ -148,6 +150,7 @@ fn parse_args() -> Result<Args> {
         includes,
         json,
         dump,
+        only,
         shape,
         topk,
     })
@@ -187,6 +190,12 @@ fn main() -> Result<()> {
         specs.extend(router_specs(router));
     }
     specs.extend(mla_and_norm_specs(&KIMI_NORM_WIDTHS));
+    if let Some(only) = &args.only {
+        specs.retain(|s| s.label().contains(only.as_str()));
+        if specs.is_empty() {
+            bail!("--only {only:?} matches no kernel specialisation");
+        }
+    }
     for spec in specs {
         let src = cuda_source(&spec, args.arch, cuda_version).map_err(anyhow::Error::msg)?;
         if let Some(dir) = &args.dump {

@@ -1,16 +1,15 @@
 //! CubeCL kernels of the fused INT4 MoE (W4A16: INT4 weights, BF16 activations, f32 accumulation).
 //!
-//! # Dequantization without conversions
+//! # Dequantization: the checkpoint's BF16 weights, two at a time
 //!
-//! A GEMV over INT4 weights at 4.8 TB/s must spend about one integer and two float instructions per weight,
-//! so the kernels never convert integers to floats one by one. For the nibble `u` at bits `[4k, 4k+3]` of a
-//! 16-bit half word `s` (`k` in 0..4), `f32::from_bits((s & (0xF << 4k)) | 0x4B00_0000)` is `2^23 + u * 16^k`
-//! exactly, and subtracting `2^23 + 8 * 16^k` leaves `(u - 8) * 16^k = q * 16^k` exactly: one LOP3 and one FADD.
-//! The `16^k` is cancelled exactly by storing the activation of column `c` pre-multiplied by `2^(-4 (c % 4))`
-//! (column `c` of a word always sits at `k = c % 4` of its half word). Each 32-column slice (inside one group,
-//! since groups are multiples of 32) is summed as `sum q * x`, then multiplied by its scale and added to the f32
-//! accumulator: the exact value of `sum (q * scale) * x` up to f32 rounding. compressed-tensors additionally
-//! rounds each product `q * scale` to BF16 when it decompresses; the kernel does not (see `reference::Dequant`).
+//! compressed-tensors decompresses a pack-quantized weight to `bf16((u - 8) * scale)`: the exact product, rounded
+//! once to BF16 (round to nearest, ties to even). That rounded value is the model's weight (HF transformers and
+//! vLLM's Marlin kernels compute with it), so the kernels compute with exactly it, never with the unrounded
+//! product. They build it with packed BF16 arithmetic, two weights per instruction and no integer-to-float
+//! conversion: for nibbles `p` and `p + 4` of a word, `((word >> 4p) & 0x000F_000F) | 0x4300_4300` is the BF16
+//! pair `(128 + u_p, 128 + u_(p+4))` exactly; subtracting the pair `(136, 136)` leaves `(q_p, q_(p+4))` exactly,
+//! and one packed multiply by `(scale, scale)` rounds each product to BF16 as the library does. Each weight is
+//! then widened to f32 (exact) and multiplied by the f32 activation into an f32 accumulator.
 //!
 //! # Work split
 //!
@@ -24,12 +23,16 @@ use burn::cubecl;
 use cubecl::prelude::*;
 use half::bf16;
 
-/// `q * 16^k` for the nibble at bits `[4k, 4k+3]` of `src` (`k` in 0..4, higher bits ignored): `2^23 + u * 16^k`
-/// built by bit operations, minus `2^23 + 8 * 16^k`.
+/// The checkpoint's weights `bf16(q * scale)` of nibbles `p` and `p + 4` of `word` (columns `p` and `p + 4` of
+/// its 8), as a packed BF16 pair: `(128 + u) - 136 = q` exactly, then one rounding multiply (module docs).
 #[cube]
-fn nibble(src: u32, #[comptime] k: u32) -> f32 {
-    let bits = (src & u32::new(comptime!((0xFu32 << (4 * k)) as i64))) | u32::new(0x4B00_0000);
-    f32::reinterpret(bits) - f32::new(comptime!(8_388_608.0f32 + 8.0 * (1u32 << (4 * k)) as f32))
+fn weight_pair(word: u32, scale: Vector<bf16, Const<2>>, #[comptime] p: u32) -> Vector<bf16, Const<2>> {
+    let bits = ((word >> u32::new(comptime!(4 * p as i64))) & u32::new(0x000F_000F)) | u32::new(0x4300_4300);
+    let biased = Vector::<bf16, Const<2>>::reinterpret(bits);
+    let mut offset = Vector::<bf16, Const<2>>::empty();
+    offset[0] = bf16::new(136.0);
+    offset[1] = bf16::new(136.0);
+    (biased - offset) * scale
 }
 
 /// Loads this lane's share of `nr` rows (`row0 + q * stride`): 16-byte weight vectors `lane + 32 i` and their
@@ -40,7 +43,7 @@ fn load_rows<N: Size>(
     words: &Array<Vector<u32, N>>,
     scales: &Array<bf16>,
     wv: &mut Array<Vector<u32, N>>,
-    sc: &mut Array<f32>,
+    sc: &mut Array<Vector<bf16, Const<2>>>,
     row0: usize,
     lane: usize,
     #[comptime] k: usize,
@@ -59,7 +62,11 @@ fn load_rows<N: Size>(
             let v = lane + 32 * i;
             if v < kv {
                 wv[q * per_lane + i] = words[row * kv + v];
-                sc[q * per_lane + i] = f32::cast_from(scales[row * ng + v * 32 / group]);
+                let s = scales[row * ng + v * 32 / group];
+                let mut s2 = Vector::<bf16, Const<2>>::empty();
+                s2[0] = s;
+                s2[1] = s;
+                sc[q * per_lane + i] = s2;
             } else {
                 let mut z = Vector::<u32, N>::empty();
                 z[0] = u32::new(0);
@@ -67,7 +74,11 @@ fn load_rows<N: Size>(
                 z[2] = u32::new(0);
                 z[3] = u32::new(0);
                 wv[q * per_lane + i] = z;
-                sc[q * per_lane + i] = f32::new(0.0);
+                // (CubeCL emits a reinterpret of a literal as a cast of an rvalue, which nvcc refuses.)
+                let mut s2 = Vector::<bf16, Const<2>>::empty();
+                s2[0] = bf16::new(0.0);
+                s2[1] = bf16::new(0.0);
+                sc[q * per_lane + i] = s2;
             }
         }
     }
@@ -128,7 +139,7 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
     let mut xs = SharedMemory::<Vector<f32, N>>::new(comptime!(tb * (k / 4 + k / 32)));
 
     let mut wv = Array::<Vector<u32, N>>::new(comptime!(rows_at_once * k.div_ceil(1024)));
-    let mut sc = Array::<f32>::new(comptime!(rows_at_once * k.div_ceil(1024)));
+    let mut sc = Array::<Vector<bf16, Const<2>>>::new(comptime!(rows_at_once * k.div_ceil(1024)));
     let j_first = (CUBE_POS_X as usize * warps + warp) * rows_per_warp;
 
     let class_end = bounds[class as usize + 1] as usize;
@@ -150,7 +161,7 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
                 }
             }
 
-            // Activations of this chunk's tokens, f32, column c scaled by 2^(-4 (c % 4)); zero for missing tokens.
+            // Activations of this chunk's tokens, f32; zero for missing tokens.
             for it in 0..fill_iters {
                 let idx = it * threads + tid;
                 if idx < comptime!(tb * k / 4) {
@@ -169,9 +180,9 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
                         }
                         let base = row * k + c4 * 4;
                         v[0] = f32::cast_from(act[base]);
-                        v[1] = f32::cast_from(act[base + 1]) * f32::new(0.0625);
-                        v[2] = f32::cast_from(act[base + 2]) * f32::new(0.003_906_25);
-                        v[3] = f32::cast_from(act[base + 3]) * f32::new(0.000_244_140_625);
+                        v[1] = f32::cast_from(act[base + 1]);
+                        v[2] = f32::cast_from(act[base + 2]);
+                        v[3] = f32::cast_from(act[base + 3]);
                     }
                     xs[t * kpad + c4 + c4 / 8] = v;
                 }
@@ -205,27 +216,26 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
                         if v >= kv {
                             v = kv - 1;
                         }
-                        let mut part = Array::<f32>::new(comptime!(rows_at_once * tb));
-                        #[unroll]
-                        for a in 0..comptime!(rows_at_once * tb) {
-                            part[a] = f32::new(0.0);
-                        }
                         #[unroll]
                         for w in 0..4usize {
-                            // q * 16^(c % 4) for the 8 columns of word w of each row.
+                            // The 8 weights of word w of each row, f32: columns 8w + c, c in 0..8.
                             let mut dq = Array::<f32>::new(comptime!(rows_at_once * 8));
                             #[unroll]
                             for q in 0..nr {
-                                let lo = wv[q * per_lane + i][w];
-                                let hi = lo >> 16u32;
-                                dq[q * 8] = nibble(lo, 0u32);
-                                dq[q * 8 + 1] = nibble(lo, 1u32);
-                                dq[q * 8 + 2] = nibble(lo, 2u32);
-                                dq[q * 8 + 3] = nibble(lo, 3u32);
-                                dq[q * 8 + 4] = nibble(hi, 0u32);
-                                dq[q * 8 + 5] = nibble(hi, 1u32);
-                                dq[q * 8 + 6] = nibble(hi, 2u32);
-                                dq[q * 8 + 7] = nibble(hi, 3u32);
+                                let word = wv[q * per_lane + i][w];
+                                let s2 = sc[q * per_lane + i];
+                                let p0 = weight_pair(word, s2, 0u32);
+                                let p1 = weight_pair(word, s2, 1u32);
+                                let p2 = weight_pair(word, s2, 2u32);
+                                let p3 = weight_pair(word, s2, 3u32);
+                                dq[q * 8] = f32::cast_from(p0[0]);
+                                dq[q * 8 + 1] = f32::cast_from(p1[0]);
+                                dq[q * 8 + 2] = f32::cast_from(p2[0]);
+                                dq[q * 8 + 3] = f32::cast_from(p3[0]);
+                                dq[q * 8 + 4] = f32::cast_from(p0[1]);
+                                dq[q * 8 + 5] = f32::cast_from(p1[1]);
+                                dq[q * 8 + 6] = f32::cast_from(p2[1]);
+                                dq[q * 8 + 7] = f32::cast_from(p3[1]);
                             }
                             #[unroll]
                             for t in 0..tb {
@@ -234,7 +244,7 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
                                 let x1 = xs[xi + 1];
                                 #[unroll]
                                 for q in 0..nr {
-                                    part[q * tb + t] += dq[q * 8] * x0[0]
+                                    acc[q * tb + t] += dq[q * 8] * x0[0]
                                         + dq[q * 8 + 1] * x0[1]
                                         + dq[q * 8 + 2] * x0[2]
                                         + dq[q * 8 + 3] * x0[3]
@@ -243,13 +253,6 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
                                         + dq[q * 8 + 6] * x1[2]
                                         + dq[q * 8 + 7] * x1[3];
                                 }
-                            }
-                        }
-                        #[unroll]
-                        for q in 0..nr {
-                            #[unroll]
-                            for t in 0..tb {
-                                acc[q * tb + t] += part[q * tb + t] * sc[q * per_lane + i];
                             }
                         }
                     }

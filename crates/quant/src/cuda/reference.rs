@@ -11,10 +11,10 @@ use crate::{PackedInt4, QuantError, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dequant {
     /// Bit-exact compressed-tensors decompression: `bf16((q - 8) * scale)`, the product rounded once to BF16
-    /// ([`PackedInt4::dequantize_rows_into`]).
+    /// ([`PackedInt4::dequantize_rows_into`]): the checkpoint's weights, what the GPU kernel computes with.
     CompressedTensors,
-    /// The exact product `(q - 8) * scale` (exact in f32), no rounding: what the GPU kernel computes, since it
-    /// applies the scale to a sum of integer-weighted activations.
+    /// The unrounded product `(q - 8) * scale` (exact in f32): a control, so a check can tell a kernel that
+    /// rounds from one that does not (the two differ by ~2e-3 of the output's norm).
     Exact,
 }
 
