@@ -21,13 +21,23 @@ fn pip_dir(root: &Path) -> PathBuf {
     target_dir(root).join(format!("nvidia-cu{PIP_CUDA}"))
 }
 
-/// The pip command that installs NVRTC and the CUDA runtime headers into `dir`.
+/// The pip command that installs NVRTC and the CUDA runtime headers into `dir` (and nvcc's, for `crt/mma.h`, which
+/// the tensor-core kernels' source includes through `mma.h`).
 fn pip_command(dir: &Path) -> Command {
     let mut cmd = Command::new("python3");
-    cmd.args(["-m", "pip", "install", "--no-deps", "--target"])
-        .arg(dir)
-        .args([format!("nvidia-cuda-nvrtc-cu12=={PIP_CUDA}.*"), format!("nvidia-cuda-runtime-cu12=={PIP_CUDA}.*")]);
+    cmd.args(["-m", "pip", "install", "--no-deps", "--target"]).arg(dir).args([
+        format!("nvidia-cuda-nvrtc-cu12=={PIP_CUDA}.*"),
+        format!("nvidia-cuda-runtime-cu12=={PIP_CUDA}.*"),
+        format!("nvidia-cuda-nvcc-cu12=={PIP_CUDA}.*"),
+    ]);
     cmd
+}
+
+/// A folder holding `crt/mma.h` beside `include` (a toolkit's own include folder, or pip's `cuda_nvcc/include`
+/// next to `cuda_runtime/include`), if any.
+fn crt_include(include: &Path) -> Option<PathBuf> {
+    let nvcc = include.parent()?.parent()?.join("cuda_nvcc/include");
+    [include.to_path_buf(), nvcc].into_iter().find(|d| d.join("crt/mma.h").is_file())
 }
 
 /// `libnvrtc.so*` in `dir` (not the builtins or `.alt` variants), newest name first.
@@ -140,15 +150,20 @@ pub fn kernels(root: &Path, args: &[String]) -> Result<()> {
         "kernel_resources",
     ]))?;
     let bin = target_dir(root).join("release/examples/kernel_resources");
-    run(Command::new(bin)
-        .args(["--arch", &arch, "--nvrtc"])
-        .arg(&lib)
-        .arg("--include")
-        .arg(&include)
-        .arg("--json")
-        .arg(&json)
-        .args(&pass))
-    .with_context(|| format!("kernel check for {arch} failed (see the table above)"))
+    let crt = crt_include(&include).with_context(|| {
+        format!(
+            "crt/mma.h not found beside {} (the tensor-core kernels include mma.h): `cargo xtask kernels --install` \
+             (pip's nvidia-cuda-nvcc-cu12=={PIP_CUDA}.*)",
+            include.display()
+        )
+    })?;
+    let mut cmd = Command::new(bin);
+    cmd.args(["--arch", &arch, "--nvrtc"]).arg(&lib).arg("--include").arg(&include);
+    if crt != include {
+        cmd.arg("--include").arg(&crt);
+    }
+    run(cmd.arg("--json").arg(&json).args(&pass))
+        .with_context(|| format!("kernel check for {arch} failed (see the table above)"))
 }
 
 /// cudarc's `CUDARC_CUDA_VERSION` for a CUDA version `X.Y` (`12.8` -> `12080`), if cudarc 0.19 supports it.

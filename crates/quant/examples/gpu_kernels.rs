@@ -23,8 +23,8 @@ use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use burn::cubecl::server::Handle;
 use eyrie_quant::cuda::{
-    Dequant, GpuExperts, GpuRouting, Mismatch, MoeConfig, MoeExperts, MoeShape, Routing, SplitMix64, Stages, copy_f32,
-    moe_forward_with, moe_reference,
+    Dequant, GpuExperts, GpuRouting, Mismatch, MmaShape, MoeConfig, MoeExperts, MoeShape, Routing, SplitMix64, Stages,
+    copy_f32, moe_forward_with, moe_reference,
 };
 use half::bf16;
 
@@ -133,8 +133,15 @@ fn run_checks(client: &ComputeClient<R>, kimi: &MoeExperts, gpu_kimi: &GpuExpert
         report(KIMI, m, TOPK, check_case(client, kimi, gpu_kimi, m, TOPK, 100 + i as u64, &MoeConfig::default())?);
     }
     // Another launch shape: one unit per warp, two down rows at once, at most two tokens per pass.
-    let alt =
-        MoeConfig { warps: 4, rows_per_warp_13: 1, rows_per_warp_2: 1, rows_at_once_2: 2, max_tb: 2, prefetch: false };
+    let alt = MoeConfig {
+        warps: 4,
+        rows_per_warp_13: 1,
+        rows_per_warp_2: 1,
+        rows_at_once_2: 2,
+        max_tb: 2,
+        prefetch: false,
+        mma: None,
+    };
     report(KIMI, 64, TOPK, check_case(client, kimi, gpu_kimi, 64, TOPK, 150, &alt)?);
     let others = [
         (MoeShape { hidden: 7168, inter: 2048, experts: 16, group: 64 }, 8, TOPK),
@@ -154,12 +161,40 @@ fn run_checks(client: &ComputeClient<R>, kimi: &MoeExperts, gpu_kimi: &GpuExpert
     let wide = MoeShape { hidden: 1024, inter: 512, experts: 16, group: 32 };
     let ex = MoeExperts::random(wide, 31)?;
     let gpu = GpuExperts::upload(client, &ex.kernel_layout());
-    report(wide, 512, TOPK, check_case(client, &ex, &gpu, 512, TOPK, 300, &MoeConfig::for_tokens(512))?);
+    report(wide, 512, TOPK, check_case(client, &ex, &gpu, 512, TOPK, 300, &MoeConfig::for_tokens(512).cuda_cores())?);
+
+    // The tensor-core path (`moe_mma`): each candidate launch shape at least once, the same shapes and widths.
+    println!("tensor-core expert kernels (moe_mma):");
+    let cands = MmaShape::candidates();
+    for (i, m) in [1usize, 8, 32, 128, 64].into_iter().enumerate() {
+        let cfg = MoeConfig { mma: Some(cands[i % cands.len()]), ..MoeConfig::for_tokens(m) };
+        report(KIMI, m, TOPK, check_case(client, kimi, gpu_kimi, m, TOPK, 400 + i as u64, &cfg)?);
+    }
+    for (i, (shape, m, topk)) in others.into_iter().enumerate() {
+        let ex = MoeExperts::random(shape, 7 + i as u64)?;
+        let gpu = GpuExperts::upload(client, &ex.kernel_layout());
+        let cfg = MoeConfig { mma: Some(cands[(i + 1) % cands.len()]), ..MoeConfig::default() };
+        report(shape, m, topk, check_case(client, &ex, &gpu, m, topk, 500 + i as u64, &cfg)?);
+    }
+    let cfg = MoeConfig { mma: Some(cands[0]), ..MoeConfig::for_tokens(512) };
+    let ex = MoeExperts::random(wide, 31)?;
+    let gpu = GpuExperts::upload(client, &ex.kernel_layout());
+    report(wide, 512, TOPK, check_case(client, &ex, &gpu, 512, TOPK, 600, &cfg)?);
     Ok(failed)
 }
 
-/// Launch shapes tried per batch size; the fastest is reported (all compute the same result).
+/// Launch shapes tried per batch size; the fastest is reported (all compute the same result): the CUDA-core
+/// shapes, then the tuned shape with each tensor-core launch shape.
 fn sweep(m: usize) -> Vec<MoeConfig> {
+    let mut v = cuda_core_sweep(m);
+    for mm in MmaShape::candidates() {
+        v.push(MoeConfig { mma: Some(mm), ..MoeConfig::for_tokens(m) });
+    }
+    v
+}
+
+/// The CUDA-core kernels' launch shapes tried per batch size.
+fn cuda_core_sweep(m: usize) -> Vec<MoeConfig> {
     let c = |warps, rows_per_warp_13, rows_per_warp_2, rows_at_once_2, max_tb, prefetch| MoeConfig {
         warps,
         rows_per_warp_13,
@@ -167,6 +202,7 @@ fn sweep(m: usize) -> Vec<MoeConfig> {
         rows_at_once_2,
         max_tb,
         prefetch,
+        mma: None,
     };
     match m {
         0 | 1 => vec![

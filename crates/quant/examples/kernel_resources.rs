@@ -285,6 +285,12 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     "gated": s.gated, "by_token": s.by_token, "prefetch": s.prefetch,
                     "address": format!("{:?}", s.address),
                 }),
+                KernelSpec::ExpertMma { spec: s } => json!({
+                    "k": s.k, "rows": s.rows, "group": s.group, "topk": s.topk, "tb": s.tb, "tiles": s.tiles,
+                    "tasks": s.tasks, "ksplit": s.ksplit, "gated": s.gated, "by_token": s.by_token,
+                    "address": format!("{:?}", s.address),
+                }),
+                KernelSpec::SplitX3 { act, k } => json!({"act": act.name(), "k": k}),
                 KernelSpec::Combine { hidden, topk, address } => {
                     json!({"hidden": hidden, "topk": topk, "address": format!("{address:?}")})
                 }

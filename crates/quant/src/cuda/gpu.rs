@@ -9,7 +9,8 @@ use cubecl::server::Handle;
 
 use super::experts::{KernelLayout, MoeShape, Routing};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
-use super::specs::{ExpertRowsSpec, class_tbs};
+use super::moe_mma::{expert_mma_kernel, split_x3_kernel};
+use super::specs::{ExpertMmaSpec, ExpertRowsSpec, class_tbs};
 
 /// 16-byte vectors: four packed words, or four f32 activations.
 const VEC: usize = 4;
@@ -30,24 +31,73 @@ pub struct MoeConfig {
     /// Start loading each warp's first rows before staging the activations; measured slower on the H200 except at
     /// 128 tokens (more registers held across the staging).
     pub prefetch: bool,
+    /// Run the experts on tensor cores (`moe_mma`) with this launch shape, where the shape allows it
+    /// ([`crate::cuda::specs::ExpertMmaSpec::fits`]); `None`: the CUDA-core kernels.
+    pub mma: Option<MmaShape>,
+}
+
+/// Launch shape of the tensor-core expert kernels (`moe_mma::expert_mma_kernel`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MmaShape {
+    /// Gate/up: warp tasks (16 units each) per block.
+    pub tasks_13: usize,
+    /// Gate/up: warps sharing a task's columns.
+    pub ksplit_13: usize,
+    /// Down: 16-row tiles per warp task.
+    pub tiles_2: usize,
+    /// Down: warp tasks per block.
+    pub tasks_2: usize,
+    /// Down: warps sharing a task's columns.
+    pub ksplit_2: usize,
+}
+
+impl MmaShape {
+    /// The launch shapes the benchmark sweeps (and `cargo xtask kernels` compiles).
+    pub fn candidates() -> Vec<Self> {
+        let m =
+            |tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2| Self { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2 };
+        vec![m(4, 2, 2, 4, 2), m(2, 4, 1, 8, 1), m(4, 1, 2, 4, 1), m(8, 1, 1, 8, 2), m(2, 2, 2, 2, 2)]
+    }
 }
 
 impl Default for MoeConfig {
     fn default() -> Self {
-        Self { warps: 8, rows_per_warp_13: 2, rows_per_warp_2: 2, rows_at_once_2: 4, max_tb: 4, prefetch: false }
+        Self {
+            warps: 8,
+            rows_per_warp_13: 2,
+            rows_per_warp_2: 2,
+            rows_at_once_2: 4,
+            max_tb: 4,
+            prefetch: false,
+            mma: None,
+        }
     }
 }
 
 impl MoeConfig {
     /// The fastest launch shape measured for `m` tokens at Kimi-K2 shapes on the H200 (`bench/kernels.json`).
+    ///
+    /// The experts run on tensor cores (`mma`) at every width: faster than the CUDA-core kernels by 1.2x at one
+    /// token to 1.7x at 128 (bench/REPORT.md, session 8); the CUDA-core fields are the fallback for shapes the
+    /// tensor-core kernel does not take ([`crate::cuda::specs::ExpertMmaSpec::fits`]).
     pub fn for_tokens(m: usize) -> Self {
         let d = Self::default();
+        let mma = |tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2| {
+            Some(MmaShape { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2 })
+        };
         match m {
-            0 | 1 => Self { warps: 16, rows_per_warp_13: 1, rows_per_warp_2: 1, ..d },
-            2..=16 => d,
-            17..=64 => Self { rows_per_warp_2: 4, rows_at_once_2: 2, ..d },
-            _ => Self { rows_per_warp_2: 4, rows_at_once_2: 2, max_tb: 2, prefetch: true, ..d },
+            0 | 1 => Self { warps: 16, rows_per_warp_13: 1, rows_per_warp_2: 1, mma: mma(2, 2, 2, 2, 2), ..d },
+            2..=16 => Self { mma: mma(2, 4, 1, 8, 1), ..d },
+            17..=64 => Self { rows_per_warp_2: 4, rows_at_once_2: 2, mma: mma(4, 2, 2, 4, 2), ..d },
+            _ => {
+                Self { rows_per_warp_2: 4, rows_at_once_2: 2, max_tb: 2, prefetch: true, mma: mma(4, 2, 2, 4, 2), ..d }
+            }
         }
+    }
+
+    /// This launch shape on the CUDA-core kernels only (benchmarks and checks compare the two paths).
+    pub fn cuda_cores(self) -> Self {
+        Self { mma: None, ..self }
     }
 }
 
@@ -292,6 +342,13 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
     assert!(matches!(cfg.rows_at_once_2, 2 | 4) && matches!(cfg.max_tb, 1 | 2 | 4) && cfg.warps > 0);
     let h = client.empty(n_pairs * s.inter * 4);
     let y = client.empty(n_pairs * s.hidden * 4);
+    if let Some(mm) = cfg.mma
+        && mma_fits(&s, routing.topk, &mm, cfg)
+    {
+        mma_experts::<R, A>(client, experts, x, routing, (&h, &y), cfg, &mm, stages);
+        combine(client, &s, routing, &y, out, stages);
+        return;
+    }
     // The comptime arguments of each launch come from `specs`, which also lists them for `cargo xtask kernels`.
     for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
         let grid = routing.grid[class];
@@ -373,6 +430,120 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
             );
         }
     }
+    combine(client, &s, routing, &y, out, stages);
+}
+
+/// Whether every launch of the tensor-core path takes `shape` under `mm`.
+fn mma_fits(shape: &MoeShape, topk: usize, mm: &MmaShape, cfg: &MoeConfig) -> bool {
+    class_tbs(cfg)
+        .into_iter()
+        .all(|tb| ExpertMmaSpec::gate_up(shape, topk, mm, tb).fits() && ExpertMmaSpec::down(shape, topk, mm, tb).fits())
+}
+
+/// `split_x3_kernel` of `rows` rows of width `k` from `x` (type `A`) into `out` (`[rows, 3, k / 2]` words).
+fn split_x3<R: Runtime, A: Float>(client: &ComputeClient<R>, x: &Handle, out: &Handle, rows: usize, k: usize) {
+    let words = rows * k / 2;
+    // SAFETY: `x` holds `rows * k` values and `out` `3 * words` words; one thread per word of a part, guarded.
+    unsafe {
+        split_x3_kernel::launch_unchecked::<A, R>(
+            client,
+            CubeCount::Static(words.div_ceil(256) as u32, 1, 1),
+            CubeDim::new_1d(256),
+            AddressType::from_len(3 * words),
+            arg(x, rows * k),
+            arg(out, 3 * words),
+            rows as u32,
+            k,
+        );
+    }
+}
+
+/// The experts on tensor cores: split the input, gate/up (one launch per class), split the intermediate, down.
+#[allow(clippy::too_many_arguments)]
+fn mma_experts<R: Runtime, A: Float>(
+    client: &ComputeClient<R>,
+    experts: &GpuExperts<R>,
+    x: &Handle,
+    routing: &GpuRouting,
+    (h, y): (&Handle, &Handle),
+    cfg: &MoeConfig,
+    mm: &MmaShape,
+    stages: Stages,
+) {
+    let s = experts.shape;
+    let n_pairs = routing.m * routing.topk;
+    let launch = |spec: ExpertMmaSpec,
+                  class: usize,
+                  input: &Handle,
+                  input_len: usize,
+                  w: &Handle,
+                  sc: &Handle,
+                  o: &Handle,
+                  o_len: usize| {
+        let grid = routing.grid[class];
+        if grid == 0 {
+            return;
+        }
+        let words_len = s.experts * spec.rows * spec.k / 32;
+        // SAFETY: every buffer is passed with its true length (in 16-byte vectors for `input` and `w`); indices
+        // stay inside them by construction, as for `expert_rows_kernel` above.
+        unsafe {
+            expert_mma_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(spec.row_tiles(), grid, 1),
+                spec.cube_dim(),
+                spec.address,
+                VEC,
+                arg(input, input_len),
+                arg(w, words_len),
+                arg(sc, s.experts * spec.rows * spec.k / s.group),
+                arg(&routing.experts, routing.slots),
+                arg(&routing.offsets, routing.slots + 1),
+                arg(&routing.pairs, n_pairs),
+                arg(o, o_len),
+                arg(&routing.bounds, 4),
+                class as u32,
+                spec.k,
+                spec.rows,
+                spec.group,
+                spec.topk,
+                spec.tb,
+                spec.tiles,
+                spec.tasks,
+                spec.ksplit,
+                spec.gated,
+                spec.by_token,
+            );
+        }
+    };
+    if matches!(stages, Stages::All | Stages::GateUp) {
+        let xs = client.empty(routing.m * 3 * s.hidden * 2);
+        split_x3::<R, A>(client, x, &xs, routing.m, s.hidden);
+        for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
+            let spec = ExpertMmaSpec::gate_up(&s, routing.topk, mm, tb);
+            launch(spec, class, &xs, routing.m * 3 * s.hidden / 8, &experts.w13, &experts.s13, h, n_pairs * s.inter);
+        }
+    }
+    if matches!(stages, Stages::All | Stages::Down) {
+        let hs = client.empty(n_pairs * 3 * s.inter * 2);
+        split_x3::<R, f32>(client, h, &hs, n_pairs, s.inter);
+        for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
+            let spec = ExpertMmaSpec::down(&s, routing.topk, mm, tb);
+            launch(spec, class, &hs, n_pairs * 3 * s.inter / 8, &experts.w2, &experts.s2, y, n_pairs * s.hidden);
+        }
+    }
+}
+
+/// The weighted combine of the experts' outputs `y` into `out`.
+fn combine<R: Runtime>(
+    client: &ComputeClient<R>,
+    s: &MoeShape,
+    routing: &GpuRouting,
+    y: &Handle,
+    out: &Handle,
+    stages: Stages,
+) {
+    let n_pairs = routing.m * routing.topk;
     if matches!(stages, Stages::All | Stages::Combine) {
         let total = routing.m * s.hidden;
         // SAFETY: `y` is `[pairs, hidden]`, `weights` `[pairs]`, `out` `[m, hidden]`; one thread per output.
@@ -382,7 +553,7 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
                 CubeCount::Static(total.div_ceil(256) as u32, 1, 1),
                 CubeDim::new_1d(256),
                 AddressType::from_len(n_pairs * s.hidden),
-                arg(&y, n_pairs * s.hidden),
+                arg(y, n_pairs * s.hidden),
                 arg(&routing.weights, n_pairs),
                 arg(out, total),
                 s.hidden,

@@ -26,6 +26,8 @@ mod kernels;
 #[cfg(feature = "cuda")]
 pub mod mla;
 #[cfg(feature = "cuda")]
+pub mod moe_mma;
+#[cfg(feature = "cuda")]
 pub mod norm;
 #[cfg(feature = "cuda")]
 pub mod offline;
@@ -39,5 +41,6 @@ pub use reference::{Dequant, Mismatch, moe_reference};
 
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    GpuExperts, GpuRouting, MoeConfig, RoutingReadback, Stages, copy_bandwidth, copy_f32, moe_forward, moe_forward_with,
+    GpuExperts, GpuRouting, MmaShape, MoeConfig, RoutingReadback, Stages, copy_bandwidth, copy_f32, moe_forward,
+    moe_forward_with,
 };

@@ -22,11 +22,12 @@ use super::dense::{gemv_bf16_kernel, gemv_swiglu_kernel};
 use super::gemm::{split_bf16x3_kernel, sum3_kernel};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::mla::{mla_latent_kernel, mla_output_kernel, mla_query_kernel};
+use super::moe_mma::{expert_mma_kernel, split_x3_kernel};
 use super::norm::rms_norm_kernel;
 use super::resources::Arch;
 use super::rope::rope_rows_kernel;
 use super::router::{group_kernel, route_kernel};
-use super::specs::{Act, ExpertRowsSpec, KernelSpec};
+use super::specs::{Act, ExpertMmaSpec, ExpertRowsSpec, KernelSpec};
 
 /// 16-byte vectors of the kernels (the launcher's `VEC`).
 const VEC: usize = 4;
@@ -147,6 +148,63 @@ fn define_expert_rows(act_ty: Act, s: &ExpertRowsSpec, props: &DeviceProperties)
     );
     let name = format!("expert_rows_kernel_f_{}_n_{VEC}", act_ty.name());
     b.build(KernelSettings::default().cube_dim(s.cube_dim()).address_type(s.address).kernel_name(name))
+}
+
+fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefinition {
+    use expert_mma_kernel::_N;
+    type N = DynamicSize<_N>;
+    let mut b = builder(props, s.address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let xs = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let words = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let scales = <Array<bf16> as LaunchArg>::expand(&a, &mut b);
+    let experts = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let offsets = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let pairs = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let bounds = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let class = <u32 as LaunchArg>::expand(&(), &mut b);
+    expert_mma_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        xs,
+        words,
+        scales,
+        experts,
+        offsets,
+        pairs,
+        out,
+        bounds,
+        class,
+        s.k,
+        s.rows,
+        s.group,
+        s.topk,
+        s.tb,
+        s.tiles,
+        s.tasks,
+        s.ksplit,
+        s.gated,
+        s.by_token,
+    );
+    let name = format!("expert_mma_kernel_n_{VEC}");
+    b.build(KernelSettings::default().cube_dim(s.cube_dim()).address_type(s.address).kernel_name(name))
+}
+
+fn define_split_x3(act_ty: Act, k: usize, props: &DeviceProperties) -> KernelDefinition {
+    use split_x3_kernel::_F;
+    type F = DynamicScalar<_F>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_type::<F>(act_ty.storage_type());
+    let a = ARRAY;
+    let x = <Array<F> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let rows = <u32 as LaunchArg>::expand(&(), &mut b);
+    split_x3_kernel::expand::<F>(&mut b.scope, x, out, rows, k);
+    let name = format!("split_x3_kernel_f_{}", act_ty.name());
+    b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
 }
 
 fn define_combine(hidden: usize, topk: usize, address: AddressType, props: &DeviceProperties) -> KernelDefinition {
@@ -486,6 +544,8 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
     let props = device_properties(arch);
     let (def, address) = match spec {
         KernelSpec::ExpertRows { act, spec } => (define_expert_rows(*act, spec, &props), spec.address),
+        KernelSpec::ExpertMma { spec } => (define_expert_mma(spec, &props), spec.address),
+        KernelSpec::SplitX3 { act, k } => (define_split_x3(*act, *k, &props), AddressType::U32),
         KernelSpec::Combine { hidden, topk, address } => (define_combine(*hidden, *topk, *address, &props), *address),
         KernelSpec::Copy => (define_copy(&props), AddressType::U32),
         KernelSpec::MlaAttention { r, rot, warps } => {

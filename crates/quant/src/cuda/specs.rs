@@ -6,7 +6,7 @@ use burn::cubecl;
 use cubecl::prelude::*;
 
 use super::experts::MoeShape;
-use super::gpu::MoeConfig;
+use super::gpu::{MmaShape, MoeConfig};
 
 /// Largest number of tokens one step may route through the fused MoE (decode and verification widths).
 pub const MAX_TOKENS: usize = 256;
@@ -143,9 +143,115 @@ impl ExpertRowsSpec {
     }
 }
 
+/// Tokens per pass the tensor-core kernels are built for (1 and 2 fill one MMA's 8 columns with 3 parts each).
+pub const MMA_TBS: [usize; 4] = [1, 2, 4, 8];
+
 /// Tokens per pass of the three expert classes (1, 2 and 3+ routed tokens) under `cfg`.
 pub fn class_tbs(cfg: &MoeConfig) -> [usize; 3] {
     [1usize, 2, 4].map(|tb| tb.min(cfg.max_tb))
+}
+
+/// Comptime arguments of one `moe_mma::expert_mma_kernel` specialisation (the kernel's documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ExpertMmaSpec {
+    /// Reduction width (a multiple of 128).
+    pub k: usize,
+    /// Rows of one expert's matrix.
+    pub rows: usize,
+    /// INT4 group size.
+    pub group: usize,
+    /// Experts per token.
+    pub topk: usize,
+    /// Tokens per pass.
+    pub tb: usize,
+    /// 16-row tiles of a warp's task (ungated; the gated launch always takes a gate and an up tile).
+    pub tiles: usize,
+    /// Warp tasks per block.
+    pub tasks: usize,
+    /// Warps sharing a task's columns.
+    pub ksplit: usize,
+    /// SiLU(gate) * up output (the gate/up launch).
+    pub gated: bool,
+    /// Activation row `pair / topk` (the layer input) instead of `pair` (the intermediate).
+    pub by_token: bool,
+    /// 32- or 64-bit indexing.
+    pub address: AddressType,
+}
+
+impl ExpertMmaSpec {
+    /// The gate/up launch for experts routed `tb` tokens per pass.
+    pub fn gate_up(s: &MoeShape, topk: usize, m: &MmaShape, tb: usize) -> Self {
+        Self {
+            k: s.hidden,
+            rows: 2 * s.inter,
+            group: s.group,
+            topk,
+            tb,
+            tiles: 2,
+            tasks: m.tasks_13,
+            ksplit: m.ksplit_13,
+            gated: true,
+            by_token: true,
+            address: AddressType::from_len(experts_len(s)),
+        }
+    }
+
+    /// The down launch (split-permuted `[pairs, 3, inter]` intermediate to `[pairs, hidden]`).
+    pub fn down(s: &MoeShape, topk: usize, m: &MmaShape, tb: usize) -> Self {
+        Self {
+            k: s.inter,
+            rows: s.hidden,
+            group: s.group,
+            topk,
+            tb,
+            tiles: m.tiles_2,
+            tasks: m.tasks_2,
+            ksplit: m.ksplit_2,
+            gated: false,
+            by_token: false,
+            address: AddressType::from_len(experts_len(s)),
+        }
+    }
+
+    /// Rows of the task dimension (`rows / 2` units gated) and the rows one task covers.
+    fn task_rows(&self) -> (usize, usize) {
+        if self.gated { (self.rows / 2, 16) } else { (self.rows, 16 * self.tiles) }
+    }
+
+    /// Whether the kernel takes this shape: `k` a multiple of 128, the task rows a multiple of a task.
+    pub fn fits(&self) -> bool {
+        let (rows, step) = self.task_rows();
+        step > 0
+            && self.k.is_multiple_of(128)
+            && self.group.is_multiple_of(32)
+            && rows.is_multiple_of(step)
+            && self.tasks > 0
+            && self.ksplit > 0
+    }
+
+    /// Threads of a block: one warp per `y`.
+    pub fn cube_dim(&self) -> CubeDim {
+        CubeDim::new_2d(32, (self.tasks * self.ksplit) as u32)
+    }
+
+    /// Blocks along `x` for one active expert.
+    pub fn row_tiles(&self) -> u32 {
+        let (rows, step) = self.task_rows();
+        (rows / step).div_ceil(self.tasks) as u32
+    }
+
+    /// Short label: `mma gate_up k7168 tb1 t2 x4 ks2`.
+    pub fn label(&self) -> String {
+        format!(
+            "mma {} k{} tb{} t{} x{} ks{}",
+            if self.gated { "gate_up" } else { "down" },
+            self.k,
+            self.tb,
+            self.tiles,
+            self.tasks,
+            self.ksplit
+        )
+    }
 }
 
 /// Every (launch shape, tokens per pass) the launcher issues for 1..=[`MAX_TOKENS`] tokens, in order:
@@ -174,6 +280,18 @@ pub enum KernelSpec {
         act: Act,
         /// Comptime arguments.
         spec: ExpertRowsSpec,
+    },
+    /// `moe_mma::expert_mma_kernel` (gate/up or down on tensor cores).
+    ExpertMma {
+        /// Comptime arguments.
+        spec: ExpertMmaSpec,
+    },
+    /// `moe_mma::split_x3_kernel` (split-permuted activations of width `k`).
+    SplitX3 {
+        /// Input element type.
+        act: Act,
+        /// Row width.
+        k: usize,
     },
     /// `combine_kernel` (weighted sum over a token's experts).
     Combine {
@@ -292,6 +410,8 @@ impl KernelSpec {
     pub fn cube_dim(&self) -> CubeDim {
         match self {
             Self::ExpertRows { spec, .. } => spec.cube_dim(),
+            Self::ExpertMma { spec } => spec.cube_dim(),
+            Self::SplitX3 { .. } => CubeDim::new_1d(256),
             Self::Combine { .. } | Self::Copy => CubeDim::new_1d(256),
             Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
@@ -311,6 +431,8 @@ impl KernelSpec {
     pub fn label(&self) -> String {
         match self {
             Self::ExpertRows { act, spec } => spec.label(*act),
+            Self::ExpertMma { spec } => spec.label(),
+            Self::SplitX3 { act, k } => format!("split_x3 {} k{k}", act.name()),
             Self::Combine { hidden, topk, .. } => format!("combine hidden{hidden} topk{topk}"),
             Self::Copy => "copy f32x4".into(),
             Self::MlaAttention { r, rot, warps } => format!("mla_attention r{r} rot{rot} warps{warps}"),
@@ -356,6 +478,20 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec
     for (cfg, tb) in tuned_launches(shape, smem_limit) {
         push(KernelSpec::ExpertRows { act: Act::F32, spec: ExpertRowsSpec::down(shape, topk, &cfg, tb) });
     }
+    // The tensor-core kernels: every candidate launch shape (the benchmark's sweep) at every tokens-per-pass.
+    for m in MmaShape::candidates() {
+        for tb in MMA_TBS {
+            for spec in [ExpertMmaSpec::gate_up(shape, topk, &m, tb), ExpertMmaSpec::down(shape, topk, &m, tb)] {
+                if spec.fits() {
+                    push(KernelSpec::ExpertMma { spec });
+                }
+            }
+        }
+    }
+    for act in [Act::Bf16, Act::F32] {
+        push(KernelSpec::SplitX3 { act, k: shape.hidden });
+    }
+    push(KernelSpec::SplitX3 { act: Act::F32, k: shape.inter });
     let address = AddressType::from_len(MAX_TOKENS * topk * shape.hidden);
     push(KernelSpec::Combine { hidden: shape.hidden, topk, address });
     push(KernelSpec::Copy);
@@ -529,6 +665,26 @@ mod tests {
     }
 
     #[test]
+    fn mma_specs_take_the_shapes_the_kernel_can() {
+        let m = MmaShape { tasks_13: 2, ksplit_13: 2, tiles_2: 2, tasks_2: 4, ksplit_2: 2 };
+        let g = ExpertMmaSpec::gate_up(&KIMI, 8, &m, 1);
+        let d = ExpertMmaSpec::down(&KIMI, 8, &m, 1);
+        assert!(g.fits() && d.fits());
+        // 2048 units of 16 per task, 2 tasks a block; 7168 rows of 32 per task, 4 tasks a block.
+        assert_eq!((g.row_tiles(), d.row_tiles()), (64, 56));
+        assert_eq!((g.cube_dim().y, d.cube_dim().y), (4, 8));
+        // The fixtures' 64-wide models (k not a multiple of 128) and rows that are not whole tiles take the
+        // CUDA-core kernels.
+        let tiny = MoeShape { hidden: 64, inter: 32, experts: 8, group: 32 };
+        assert!(!ExpertMmaSpec::gate_up(&tiny, 2, &m, 1).fits());
+        let odd = MoeShape { hidden: 1024, inter: 136, experts: 8, group: 32 };
+        assert!(!ExpertMmaSpec::gate_up(&odd, 2, &m, 1).fits());
+        assert!(!ExpertMmaSpec::down(&odd, 2, &m, 1).fits());
+        let zero = MmaShape { tiles_2: 0, ..m };
+        assert!(!ExpertMmaSpec::down(&KIMI, 8, &zero, 1).fits());
+    }
+
+    #[test]
     fn kimi_specialisations_cover_every_tuned_shape() {
         let specs = moe_kernel_specs(&KIMI, 8, 232_448);
         let rows: Vec<(Act, ExpertRowsSpec)> = specs
@@ -545,7 +701,16 @@ mod tests {
                     assert!(rows.contains(&(act, ExpertRowsSpec::gate_up(&KIMI, 8, &cfg, tb))), "m {m} tb {tb}");
                 }
                 assert!(rows.contains(&(Act::F32, ExpertRowsSpec::down(&KIMI, 8, &cfg, tb))), "m {m} tb {tb}");
+                // The tensor-core path the tuned shape takes at Kimi's shape, and its activation splits.
+                let mm = cfg.mma.expect("every tuned shape runs on tensor cores");
+                for spec in [ExpertMmaSpec::gate_up(&KIMI, 8, &mm, tb), ExpertMmaSpec::down(&KIMI, 8, &mm, tb)] {
+                    assert!(spec.fits(), "m {m} tb {tb}");
+                    assert!(specs.contains(&KernelSpec::ExpertMma { spec }), "m {m} tb {tb}: {spec:?}");
+                }
             }
+        }
+        for (act, k) in [(Act::Bf16, 7168), (Act::F32, 7168), (Act::F32, 2048)] {
+            assert!(specs.contains(&KernelSpec::SplitX3 { act, k }));
         }
         // One token fills only 1-token experts: its 16-warp shape never runs with 2 or 4 tokens per pass.
         let one = MoeConfig::for_tokens(1);

@@ -1,0 +1,421 @@
+//! The fused INT4 MoE's expert kernels on tensor cores (`mma.sync.m16n8k16`, BF16 operands, f32 accumulation), at
+//! f32 precision: the same math as [`super::kernels::expert_rows_kernel`] (weights `bf16(q * scale)` exactly as
+//! compressed-tensors decompresses them, f32 activations, f32 accumulation) with a fraction of its instructions.
+//!
+//! # Operands
+//!
+//! - A (16 rows x 16 columns of one expert's matrix): the dequantized weights, built in registers two at a time
+//!   exactly as the CUDA-core kernel does (`(128 + u) - 136`, then one rounding multiply by the scale: a packed
+//!   BF16 pair is one A register).
+//! - B (16 columns x 8): the activations as three exact BF16 parts, `x = hi + mid + lo` (each part the remainder
+//!   of the previous one with its low 16 bits cut, as [`super::gemm::split_bf16x3`]), one B column per part and
+//!   token: column `3 t + p` is part `p` of token `t`, so one MMA covers 2 tokens and `ceil(3 tb / 8)` MMAs cover
+//!   `tb`. Every product of two BF16s is exact in f32; the parts of a token are added in f32 at the end.
+//! - Accumulation: each 128-column block (8 MMAs, chained through the tensor core's accumulator) starts from zero
+//!   and is added into f32 registers, so the tensor core never sums more than 128 products (its adds truncate;
+//!   `super::gemm` measured what long chains cost).
+//!
+//! # No repacking: the K order is the lanes' own
+//!
+//! An MMA sums over its 16 K positions in any order, so the kernel chooses which matrix column each K slot of each
+//! lane is, and gives B the same choice. Lane `(g, c)` (`g = lane / 4`, `c = lane % 4`) loads, for each 128-column
+//! block `i`, the 16-byte vector `4 i + c` of rows `g` and `g + 8` of its 16-row tile: one coalesced load each, no
+//! lane loads what another uses. MMA `t` (0..8) of the block takes from every lane word `t / 2` of its vector,
+//! nibble pairs `2 (t % 2)` and `2 (t % 2) + 1` (a pair is nibbles `p` and `p + 4`: columns `8 w + p` and
+//! `8 w + p + 4`, one packed BF16 register). The activations are stored permuted to match ([`split_x3_kernel`]):
+//! within each 32-column vector, word `4 w + p` holds columns `(8 w + p, 8 w + p + 4)`, so lane `(n, c)`'s B
+//! registers for the block's 8 MMAs are the 64 contiguous bytes of vector `4 i + c` of its column's row.
+//!
+//! # Work split
+//!
+//! Grid `(row tiles, expert slots)` as the CUDA-core kernel (class bounds on the device, each grid row looping over
+//! its class's slots). A warp computes one task: gated (gate/up), 16 units = a 16-row gate tile and the matching up
+//! tile; otherwise `16 tiles` consecutive rows. `ksplit` warps share a task, each taking every `ksplit`-th block
+//! of 128 columns, and add up through shared memory. No activation staging, no barrier before the weight loads:
+//! the B operands come from global memory (L1/L2-resident: every warp of the layer reads the same few KB).
+
+use burn::cubecl;
+use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::*;
+use half::bf16;
+
+/// Split-permuted activations for [`expert_mma_kernel`]: `out` `[rows, 3, k / 2]` words, word `j` of part `p` of
+/// row `r` = BF16 parts `p` of columns `(32 v + 8 w + q, 32 v + 8 w + q + 4)` (`j = 16 v + 4 w + q`), low half
+/// first. One thread per word of the three parts.
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn split_x3_kernel<F: Float>(x: &Array<F>, out: &mut Array<u32>, rows: u32, #[comptime] k: usize) {
+    let half = comptime!(k / 2);
+    let idx = ABSOLUTE_POS;
+    if idx < rows as usize * half {
+        let r = idx / half;
+        let j = idx % half;
+        let col = (j / 16) * 32 + ((j % 16) / 4) * 8 + j % 4;
+        let a = f32::cast_from(x[r * k + col]);
+        let b = f32::cast_from(x[r * k + col + 4]);
+        let a_hi = u32::reinterpret(a) >> 16u32;
+        let b_hi = u32::reinterpret(b) >> 16u32;
+        let a_r = a - f32::reinterpret(a_hi << 16u32);
+        let b_r = b - f32::reinterpret(b_hi << 16u32);
+        let a_mid = u32::reinterpret(a_r) >> 16u32;
+        let b_mid = u32::reinterpret(b_r) >> 16u32;
+        let a_lo = u32::reinterpret(a_r - f32::reinterpret(a_mid << 16u32)) >> 16u32;
+        let b_lo = u32::reinterpret(b_r - f32::reinterpret(b_mid << 16u32)) >> 16u32;
+        let base = r * 3 * half + j;
+        out[base] = a_hi | (b_hi << 16u32);
+        out[base + half] = a_mid | (b_mid << 16u32);
+        out[base + 2 * half] = a_lo | (b_lo << 16u32);
+    }
+}
+
+/// The weights `bf16(q * scale)` of nibbles `p` and `p + 4` of `word` as one packed BF16 register (module docs of
+/// `kernels`: `(128 + u) - 136 = q` exactly, then one rounding multiply).
+#[cube]
+fn weight_pair(word: u32, scale: Vector<bf16, Const<2>>, #[comptime] p: u32) -> Vector<bf16, Const<2>> {
+    let bits = ((word >> u32::new(comptime!(4 * p as i64))) & u32::new(0x000F_000F)) | u32::new(0x4300_4300);
+    let biased = Vector::<bf16, Const<2>>::reinterpret(bits);
+    let mut offset = Vector::<bf16, Const<2>>::empty();
+    offset[0] = bf16::new(136.0);
+    offset[1] = bf16::new(136.0);
+    (biased - offset) * scale
+}
+
+/// Loads the operands of 32-column vector `v` for one lane: rows `g` and `g + 8` of each m tile of the task at
+/// `j0` of expert `e` (16-byte weight vectors and their scale pairs), and the 64 bytes of vector `v` of the lane's
+/// B column in each n tile (zeros where the lane has no column).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_block<N: Size>(
+    xs: &Array<Vector<u32, N>>,
+    words: &Array<Vector<u32, N>>,
+    scales: &Array<bf16>,
+    xrow: &Array<usize>,
+    xok: &Array<u32>,
+    wa: &mut Array<Vector<u32, N>>,
+    sa: &mut Array<Vector<bf16, Const<2>>>,
+    xb: &mut Array<Vector<u32, N>>,
+    e: usize,
+    j0: usize,
+    g: usize,
+    v: usize,
+    #[comptime] k: usize,
+    #[comptime] rows: usize,
+    #[comptime] group: usize,
+    #[comptime] tb: usize,
+    #[comptime] tiles: usize,
+    #[comptime] gated: bool,
+) {
+    let kv = comptime!(k / 32);
+    let ng = comptime!(k / group);
+    let ntiles = comptime!((3 * tb).div_ceil(8));
+    let mtiles = comptime!(if gated { 2 } else { tiles });
+    let task_rows = comptime!(rows / if gated { 2 } else { 1 });
+    #[unroll]
+    for mt in 0..mtiles {
+        #[unroll]
+        for h in 0..2usize {
+            let mut r = j0 + 16 * mt + g + 8 * h;
+            if gated {
+                r = j0 + mt * task_rows + g + 8 * h;
+            }
+            let row = e * rows + r;
+            wa[2 * mt + h] = words[row * kv + v];
+            let s = scales[row * ng + v * 32 / group];
+            let mut s2 = Vector::<bf16, Const<2>>::empty();
+            s2[0] = s;
+            s2[1] = s;
+            sa[2 * mt + h] = s2;
+        }
+    }
+    #[unroll]
+    for nt in 0..ntiles {
+        #[unroll]
+        for q in 0..4usize {
+            let mut z = Vector::<u32, N>::empty();
+            z[0] = u32::new(0);
+            z[1] = u32::new(0);
+            z[2] = u32::new(0);
+            z[3] = u32::new(0);
+            if xok[nt] == 1 {
+                z = xs[xrow[nt] + 4 * v + q];
+            }
+            xb[4 * nt + q] = z;
+        }
+    }
+}
+
+/// Rows of one expert's INT4 matrix times the split activations of the tokens routed to it, on tensor cores.
+///
+/// - `xs`: split-permuted activations ([`split_x3_kernel`]) as 16-byte vectors, `[*, 3, k / 8]`; row `pair / topk`
+///   (`by_token`, the layer input) or `pair` (the intermediate).
+/// - `words`, `scales`, `experts`, `offsets`, `pairs`, `bounds`, `class`: as `expert_rows_kernel`.
+/// - `out`: `gated`: `[pairs, rows / 2]`, `silu(gate unit) * up unit`; else `[pairs, rows]`.
+///
+/// `k` a multiple of 128; the task rows (`rows / 2` gated, else `rows`) a multiple of 16 (`16 tiles` ungated).
+#[cube(launch_unchecked, address_type = "dynamic")]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
+pub fn expert_mma_kernel<N: Size>(
+    xs: &Array<Vector<u32, N>>,
+    words: &Array<Vector<u32, N>>,
+    scales: &Array<bf16>,
+    experts: &Array<u32>,
+    offsets: &Array<u32>,
+    pairs: &Array<u32>,
+    out: &mut Array<f32>,
+    bounds: &Array<u32>,
+    class: u32,
+    #[comptime] k: usize,
+    #[comptime] rows: usize,
+    #[comptime] group: usize,
+    #[comptime] topk: usize,
+    #[comptime] tb: usize,
+    #[comptime] tiles: usize,
+    #[comptime] tasks: usize,
+    #[comptime] ksplit: usize,
+    #[comptime] gated: bool,
+    #[comptime] by_token: bool,
+) {
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let g = lane / 4;
+    let c = lane % 4;
+
+    let xv = comptime!(k / 8);
+    let nblk = comptime!(k / 128);
+    let ntiles = comptime!((3 * tb).div_ceil(8));
+    let mtiles = comptime!(if gated { 2 } else { tiles });
+    let task_rows = comptime!(rows / if gated { 2 } else { 1 });
+    let step = comptime!(if gated { 16 } else { 16 * tiles });
+    // Accumulator floats per lane: (m tile, n tile, row half, column pair).
+    let nacc = comptime!(mtiles * ntiles * 4);
+
+    let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+    let mut red = SharedMemory::<f32>::new(comptime!(if ksplit > 1 { tasks * ksplit * nacc * 32 } else { 1 }));
+
+    let task = CUBE_POS_X as usize * tasks + warp / ksplit;
+    let part = warp % ksplit;
+    let j0 = task * step;
+    let active = j0 < task_rows;
+
+    let class_end = bounds[class as usize + 1] as usize;
+    let mut slot = bounds[class as usize] as usize + CUBE_POS_Y as usize;
+    while slot < class_end {
+        let e = experts[slot] as usize;
+        let start = offsets[slot] as usize;
+        let count = offsets[slot + 1] as usize - start;
+        let n_chunks = (count + tb - 1) / tb;
+        for ch in 0..n_chunks {
+            let c0 = start + ch * tb;
+            let n = count - ch * tb;
+
+            // This lane's B column in each n tile: part `col % 3` of token `col / 3`, or none (zeros).
+            let mut xrow = Array::<usize>::new(comptime!((3 * tb).div_ceil(8)));
+            let mut xok = Array::<u32>::new(comptime!((3 * tb).div_ceil(8)));
+            #[unroll]
+            for nt in 0..ntiles {
+                let col = 8 * nt + g;
+                let t = col / 3;
+                xok[nt] = u32::new(0);
+                xrow[nt] = 0;
+                if col < comptime!(3 * tb) && t < n {
+                    xok[nt] = u32::new(1);
+                    let p = pairs[c0 + t] as usize;
+                    let mut row = p;
+                    if by_token {
+                        row = p / topk;
+                    }
+                    xrow[nt] = (row * 3 + col % 3) * xv;
+                }
+            }
+
+            let mut acc = Array::<f32>::new(comptime!(mtiles * (3 * tb).div_ceil(8) * 4));
+            #[unroll]
+            for a in 0..nacc {
+                acc[a] = f32::new(0.0);
+            }
+
+            if active {
+                // Software pipeline: block i's operands are in (wa, sa, xb) while block i + ksplit's load; the last
+                // block reloads itself (a clamped index keeps every load in range and the loop free of branches).
+                let mut wa = Array::<Vector<u32, N>>::new(comptime!(2 * if gated { 2 } else { tiles }));
+                let mut sa = Array::<Vector<bf16, Const<2>>>::new(comptime!(2 * if gated { 2 } else { tiles }));
+                let mut xb = Array::<Vector<u32, N>>::new(comptime!(4 * (3 * tb).div_ceil(8)));
+                let mut wn = Array::<Vector<u32, N>>::new(comptime!(2 * if gated { 2 } else { tiles }));
+                let mut sn = Array::<Vector<bf16, Const<2>>>::new(comptime!(2 * if gated { 2 } else { tiles }));
+                let mut xn = Array::<Vector<u32, N>>::new(comptime!(4 * (3 * tb).div_ceil(8)));
+                let mut first = part;
+                if first >= nblk {
+                    first = nblk - 1;
+                }
+                load_block::<N>(
+                    xs,
+                    words,
+                    scales,
+                    &xrow,
+                    &xok,
+                    &mut wa,
+                    &mut sa,
+                    &mut xb,
+                    e,
+                    j0,
+                    g,
+                    4 * first + c,
+                    k,
+                    rows,
+                    group,
+                    tb,
+                    tiles,
+                    gated,
+                );
+                let mut i = part;
+                while i < nblk {
+                    let mut next = i + ksplit;
+                    if next >= nblk {
+                        next = nblk - 1;
+                    }
+                    load_block::<N>(
+                        xs,
+                        words,
+                        scales,
+                        &xrow,
+                        &xok,
+                        &mut wn,
+                        &mut sn,
+                        &mut xn,
+                        e,
+                        j0,
+                        g,
+                        4 * next + c,
+                        k,
+                        rows,
+                        group,
+                        tb,
+                        tiles,
+                        gated,
+                    );
+
+                    // This block's 8 MMAs per (m tile, n tile), from a zero accumulator.
+                    let mut blk = Array::<f32>::new(comptime!(mtiles * (3 * tb).div_ceil(8) * 4));
+                    #[unroll]
+                    for a in 0..nacc {
+                        blk[a] = f32::new(0.0);
+                    }
+                    #[unroll]
+                    for t in 0..8usize {
+                        let w = t / 2;
+                        #[unroll]
+                        for mt in 0..mtiles {
+                            let mut ra = Array::<Vector<bf16, Const<2>>>::new(4usize);
+                            ra[0] = weight_pair(wa[2 * mt][w], sa[2 * mt], comptime!((2 * (t % 2)) as u32));
+                            ra[1] = weight_pair(wa[2 * mt + 1][w], sa[2 * mt + 1], comptime!((2 * (t % 2)) as u32));
+                            ra[2] = weight_pair(wa[2 * mt][w], sa[2 * mt], comptime!((2 * (t % 2) + 1) as u32));
+                            ra[3] = weight_pair(wa[2 * mt + 1][w], sa[2 * mt + 1], comptime!((2 * (t % 2) + 1) as u32));
+                            #[unroll]
+                            for nt in 0..ntiles {
+                                let mut rb = Array::<Vector<bf16, Const<2>>>::new(2usize);
+                                let b0 = xb[4 * nt + t / 2][2 * (t % 2)];
+                                let b1 = xb[4 * nt + t / 2][2 * (t % 2) + 1];
+                                rb[0] = Vector::<bf16, Const<2>>::reinterpret(b0);
+                                rb[1] = Vector::<bf16, Const<2>>::reinterpret(b1);
+                                let base = (mt * ntiles + nt) * 4;
+                                let mut rc = Array::<Vector<f32, Const<2>>>::new(2usize);
+                                let mut c0v = Vector::<f32, Const<2>>::empty();
+                                c0v[0] = blk[base];
+                                c0v[1] = blk[base + 1];
+                                let mut c1v = Vector::<f32, Const<2>>::empty();
+                                c1v[0] = blk[base + 2];
+                                c1v[1] = blk[base + 3];
+                                rc[0] = c0v;
+                                rc[1] = c1v;
+                                def.execute_inplace(&ra, &rb, &mut rc);
+                                let d0 = rc[0];
+                                let d1 = rc[1];
+                                blk[base] = d0[0];
+                                blk[base + 1] = d0[1];
+                                blk[base + 2] = d1[0];
+                                blk[base + 3] = d1[1];
+                            }
+                        }
+                    }
+                    #[unroll]
+                    for a in 0..nacc {
+                        acc[a] += blk[a];
+                    }
+                    #[unroll]
+                    for q in 0..comptime!(2 * if gated { 2 } else { tiles }) {
+                        wa[q] = wn[q];
+                        sa[q] = sn[q];
+                    }
+                    #[unroll]
+                    for q in 0..comptime!(4 * (3 * tb).div_ceil(8)) {
+                        xb[q] = xn[q];
+                    }
+                    i += ksplit;
+                }
+            }
+
+            // The k-split warps of a task add up through shared memory (every warp reaches both barriers).
+            if ksplit > 1 {
+                #[unroll]
+                for a in 0..nacc {
+                    red[(warp * nacc + a) * 32 + lane] = acc[a];
+                }
+                sync_cube();
+                if part == 0 {
+                    #[unroll]
+                    for s in 1..ksplit {
+                        #[unroll]
+                        for a in 0..nacc {
+                            acc[a] += red[((warp + s) * nacc + a) * 32 + lane];
+                        }
+                    }
+                }
+                sync_cube();
+            }
+
+            if active && part == 0 {
+                // Lane (g, c) holds columns 2c, 2c + 1 of each n tile for rows g (h = 0) and g + 8 (h = 1); a
+                // token's three parts are spread over the quad: sum the lane's share, then across the quad.
+                #[unroll]
+                for t in 0..tb {
+                    if t < n {
+                        let p = pairs[c0 + t] as usize;
+                        #[unroll]
+                        for h in 0..2usize {
+                            let mut vals = Array::<f32>::new(comptime!(if gated { 2 } else { tiles }));
+                            #[unroll]
+                            for mt in 0..mtiles {
+                                let mut sum = f32::new(0.0);
+                                #[unroll]
+                                for nt in 0..ntiles {
+                                    #[unroll]
+                                    for q in 0..2usize {
+                                        let col = 8 * nt + 2 * c + q;
+                                        if col >= 3 * t && col < 3 * t + 3 {
+                                            sum += acc[(mt * ntiles + nt) * 4 + 2 * h + q];
+                                        }
+                                    }
+                                }
+                                sum += plane_shuffle_xor(sum, 1u32);
+                                sum += plane_shuffle_xor(sum, 2u32);
+                                vals[mt] = sum;
+                            }
+                            if c == 0 {
+                                let r = j0 + g + 8 * h;
+                                if gated {
+                                    let a = vals[0];
+                                    out[p * task_rows + r] = a / (f32::new(1.0) + (-a).exp()) * vals[1];
+                                } else {
+                                    #[unroll]
+                                    for mt in 0..mtiles {
+                                        out[p * rows + r + 16 * mt] = vals[mt];
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        slot += CUBE_COUNT_Y as usize;
+    }
+}
