@@ -30,8 +30,10 @@ use crate::mlp::Expert;
 /// Largest number of (token, expert) pairs a step sends through the kernel: 8192 tokens of top-8, a whole prefill
 /// chunk. It was tuned for decode widths (1..256 tokens) but takes any count (an expert's tokens go 1, 2 or 4 a
 /// pass over its weights), and at prefill widths it beats dequantizing each expert for a matmul by far (a 10-layer
-/// Kimi-K2 slice prefilled 8k tokens in 60 s that way, bench/REPORT.md). Its scratch is `pairs x (inter + hidden)`
-/// f32 (2.4 GB at this limit for Kimi-K2); wider steps take the dequantize-and-matmul path.
+/// Kimi-K2 slice prefilled 8k tokens in 60 s that way, bench/REPORT.md; the tensor-core kernels run a 3000-token
+/// block 2.5x faster than that). Its scratch is `pairs x (inter + hidden)` f32, plus on the tensor-core path the
+/// three BF16 parts of the intermediate and of the input (`6 pairs x inter + 6 tokens x hidden` bytes): 3.6 GB at
+/// this limit for Kimi-K2, freed to CubeCL's pool after the layer; wider steps take the dequantize-and-matmul path.
 pub const KERNEL_MAX_PAIRS: usize = 65_536;
 
 /// Whether the fused path routes on the host even where the device router can (benchmarks compare the two; also

@@ -419,3 +419,79 @@ pub fn expert_mma_kernel<N: Size>(
         slot += CUBE_COUNT_Y as usize;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The kernel's K order, modelled on the CPU: the activation layout `split_x3_kernel` writes, the A and B
+    //! registers each lane builds for each MMA of a 128-column block, exact products, the parts of a token summed.
+    //! Against the plain dot product of the checkpoint's weights (`bf16(q * scale)`) with `x`, in f64: the layout
+    //! must pair every weight with its own column, each column once. (The GPU check, `examples/gpu_kernels.rs`,
+    //! tests the kernel itself; this pins the index algebra both of its sides rely on.)
+    use crate::cuda::gemm::{bf16_value, split_bf16x3};
+    use crate::cuda::{MoeExperts, MoeShape, SplitMix64};
+
+    /// Columns `(lo, hi)` of word `j` of a row's split-permuted parts (`split_x3_kernel`).
+    fn permuted_columns(j: usize) -> (usize, usize) {
+        let col = (j / 16) * 32 + ((j % 16) / 4) * 8 + j % 4;
+        (col, col + 4)
+    }
+
+    #[test]
+    fn lanes_pair_every_weight_with_its_own_column() {
+        let shape = MoeShape { hidden: 384, inter: 32, experts: 1, group: 32 };
+        let ex = MoeExperts::random(shape, 3).unwrap();
+        let w = ex.gate(0);
+        let (rows, k) = (w.out_features(), w.in_features());
+        let mut rng = SplitMix64::new(9);
+        let x: Vec<f32> = (0..k).map(|_| rng.next_f32() - 0.5).collect();
+        let mut dense = vec![0f32; rows * k];
+        w.dequantize_rows_into(0..rows, &mut dense).unwrap();
+        // Split-permuted parts of x, as the kernel reads them: parts[p][j] = (lo, hi) BF16 bits.
+        let parts: Vec<Vec<(u16, u16)>> = (0..3)
+            .map(|p| {
+                (0..k / 2)
+                    .map(|j| {
+                        let (lo, hi) = permuted_columns(j);
+                        (split_bf16x3(x[lo])[p], split_bf16x3(x[hi])[p])
+                    })
+                    .collect()
+            })
+            .collect();
+        let (words, scales, rw) = (w.packed(), w.scales(), w.packed_row_words());
+        let weight = |r: usize, word: u32, nibble: usize, col: usize| {
+            let q = ((word >> (4 * nibble)) & 0xF) as i32 - 8;
+            // bf16(q * scale): the product is exact in f32, then rounded to nearest even as compressed-tensors does.
+            f64::from(half::bf16::from_f32(q as f32 * scales[r * (k / 32) + col / 32]).to_f32())
+        };
+        for r in 0..rows {
+            let mut seen = vec![0u32; k];
+            let mut got = 0f64;
+            for i in 0..k / 128 {
+                for c in 0..4 {
+                    let v = 4 * i + c;
+                    for t in 0..8 {
+                        for reg in 0..2 {
+                            // A: word t / 2 of vector v, nibble pair p (nibbles p and p + 4).
+                            let p = 2 * (t % 2) + reg;
+                            let word = words[r * rw + 4 * v + t / 2];
+                            let (a_lo, a_hi) = (32 * v + 8 * (t / 2) + p, 32 * v + 8 * (t / 2) + p + 4);
+                            // B: word 2t + reg of the lane's 64 bytes (16 words) of vector v.
+                            let j = 16 * v + 2 * t + reg;
+                            assert_eq!(permuted_columns(j), (a_lo, a_hi), "row {r} block {i} lane {c} mma {t}");
+                            seen[a_lo] += 1;
+                            seen[a_hi] += 1;
+                            for part in &parts {
+                                let (b_lo, b_hi) = part[j];
+                                got += weight(r, word, p, a_lo) * f64::from(bf16_value(b_lo))
+                                    + weight(r, word, p + 4, a_hi) * f64::from(bf16_value(b_hi));
+                            }
+                        }
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&n| n == 1), "row {r}: every column exactly once");
+            let want: f64 = (0..k).map(|col| f64::from(dense[r * k + col]) * f64::from(x[col])).sum();
+            assert!((got - want).abs() <= 1e-12 * want.abs().max(1.0), "row {r}: {got} vs {want}");
+        }
+    }
+}
