@@ -26,7 +26,7 @@ use half::bf16;
 /// The checkpoint's weights `bf16(q * scale)` of nibbles `p` and `p + 4` of `word` (columns `p` and `p + 4` of
 /// its 8), as a packed BF16 pair: `(128 + u) - 136 = q` exactly, then one rounding multiply (module docs).
 #[cube]
-fn weight_pair(word: u32, scale: Vector<bf16, Const<2>>, #[comptime] p: u32) -> Vector<bf16, Const<2>> {
+pub(super) fn weight_pair(word: u32, scale: Vector<bf16, Const<2>>, #[comptime] p: u32) -> Vector<bf16, Const<2>> {
     let bits = ((word >> u32::new(comptime!(4 * p as i64))) & u32::new(0x000F_000F)) | u32::new(0x4300_4300);
     let biased = Vector::<bf16, Const<2>>::reinterpret(bits);
     let mut offset = Vector::<bf16, Const<2>>::empty();

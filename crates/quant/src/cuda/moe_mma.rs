@@ -39,6 +39,8 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
+use super::kernels::weight_pair;
+
 /// Split-permuted activations for [`expert_mma_kernel`]: `out` `[rows, 3, k / 2]` words, word `j` of part `p` of
 /// row `r` = BF16 parts `p` of columns `(32 v + 8 w + q, 32 v + 8 w + q + 4)` (`j = 16 v + 4 w + q`), low half
 /// first. One thread per word of the three parts.
@@ -65,18 +67,6 @@ pub fn split_x3_kernel<F: Float>(x: &Array<F>, out: &mut Array<u32>, rows: u32, 
         out[base + half] = a_mid | (b_mid << 16u32);
         out[base + 2 * half] = a_lo | (b_lo << 16u32);
     }
-}
-
-/// The weights `bf16(q * scale)` of nibbles `p` and `p + 4` of `word` as one packed BF16 register (module docs of
-/// `kernels`: `(128 + u) - 136 = q` exactly, then one rounding multiply).
-#[cube]
-fn weight_pair(word: u32, scale: Vector<bf16, Const<2>>, #[comptime] p: u32) -> Vector<bf16, Const<2>> {
-    let bits = ((word >> u32::new(comptime!(4 * p as i64))) & u32::new(0x000F_000F)) | u32::new(0x4300_4300);
-    let biased = Vector::<bf16, Const<2>>::reinterpret(bits);
-    let mut offset = Vector::<bf16, Const<2>>::empty();
-    offset[0] = bf16::new(136.0);
-    offset[1] = bf16::new(136.0);
-    (biased - offset) * scale
 }
 
 /// Loads the operands of 32-column vector `v` for one lane: rows `g` and `g + 8` of each m tile of the task at
