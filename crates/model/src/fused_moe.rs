@@ -1,5 +1,6 @@
 //! Routed experts held as one buffer per tensor kind (the layout of `eyrie_quant::cuda::KernelLayout`), so the
-//! fused INT4 MoE kernel (`eyrie_quant::cuda::moe_forward`) runs a layer's selected experts in three launches.
+//! fused INT4 MoE kernel (`eyrie_quant::cuda::moe_forward`) runs a layer's selected experts in a few launches (on
+//! tensor cores: split of the input, gate/up, split of the intermediate, down, combine).
 //!
 //! [`FusedExperts`] is built on the device from a block's [`Expert`]s (concatenation, and the BF16 scales cast
 //! back to BF16, which is exact because they are BF16 values), and replaces them: the INT4 bytes are held once.

@@ -10,7 +10,7 @@
 //! Dispatch: the scores go to the host, the routing is decided there ([`route`], plain Rust), and each selected
 //! expert runs once on exactly the tokens routed to it (gather with `select`, SwiGLU, scale by the weight,
 //! scatter-add with `select_assign`), or, on CUDA, the fused INT4 kernel runs the layer's selected experts in
-//! three launches ([`crate::fused_moe`]). Unselected experts cost nothing. The shared expert runs on every token.
+//! a few launches ([`crate::fused_moe`]). Unselected experts cost nothing. The shared expert runs on every token.
 //!
 //! On CUDA with fused experts the routing is chosen on the device instead ([`Moe::routed_on_device`]:
 //! `eyrie_quant::cuda::router`'s top-k and grouping kernels, the same math and tie-breaking as [`route`]), so a

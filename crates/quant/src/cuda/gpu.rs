@@ -1,5 +1,6 @@
 //! Launching the fused INT4 MoE on a CubeCL runtime (CUDA in practice): expert weights uploaded once in the
-//! [`KernelLayout`], routing uploaded per step, three launches per layer.
+//! [`KernelLayout`], routing uploaded per step or made on the device: on tensor cores (`moe_mma`) five launches a
+//! layer (split of the input, gate/up, split of the intermediate, down, combine), on CUDA cores three.
 
 use std::marker::PhantomData;
 
