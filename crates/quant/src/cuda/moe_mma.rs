@@ -32,7 +32,9 @@
 //! its class's slots). A warp computes one task: gated (gate/up), 16 units = a 16-row gate tile and the matching up
 //! tile; otherwise `16 tiles` consecutive rows. `ksplit` warps share a task, each taking every `ksplit`-th block
 //! of 128 columns, and add up through shared memory. No activation staging, no barrier before the weight loads:
-//! the B operands come from global memory (L1/L2-resident: every warp of the layer reads the same few KB).
+//! the B operands come from global memory (L1/L2-resident: every warp of the layer reads the same few KB). A warp
+//! loads its next block while it computes the current one (two register sets; a third, two blocks ahead, measured
+//! no faster on the H200: bench/REPORT.md).
 
 use burn::cubecl;
 use cubecl::cmma::MmaDefinition;
