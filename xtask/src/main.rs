@@ -36,11 +36,13 @@ commands:
                           model unless --url is given (bench/serve.json)
   gpu-test                GPU kernels vs their CPU references (MoE, GEMV, RMSNorm/Linear, MLA attention, cache
                           write; on a GPU, else builds .device-kern/ and prints the device command)
-  kernels [--arch sm_120] [--json FILE] [--nvrtc PATH] [--cuda-include DIR] [--install]
-                          every kernel specialisation (fused MoE, MLA attention, BF16 GEMV) compiled by NVRTC for
-                          an architecture (no GPU):
+  kernels [--arch sm_120] [--json FILE] [--nvrtc PATH] [--cuda-include DIR] [--install] [--only TEXT] [--dump DIR]
+                          every kernel specialisation (fused MoE on CUDA and tensor cores, MLA attention, BF16
+                          GEMV, ...) compiled by NVRTC for an architecture (no GPU):
                           registers, shared memory, spills; fails if one does not fit a block (default JSON:
-                          target/kernels-<arch>.json; --install pip-installs CUDA 12.8's NVRTC and headers)
+                          target/kernels-<arch>.json; --install pip-installs CUDA 12.8's NVRTC and headers, with
+                          nvcc's crt/mma.h; --only keeps the specialisations whose label contains TEXT; --dump
+                          writes each one's CUDA C++ into DIR)
   build --cuda X.Y [--check]
                           release eyrie (eyrie-server, cuda) with cudarc bindings for CUDA X.Y, in target/cuda-X.Y
   tiny-model [--check]    regenerate crates/server/assets/tiny-model (eyrie serve's default model), or check it
