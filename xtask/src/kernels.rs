@@ -22,13 +22,15 @@ fn pip_dir(root: &Path) -> PathBuf {
 }
 
 /// The pip command that installs NVRTC and the CUDA runtime headers into `dir` (and nvcc's, for `crt/mma.h`, which
-/// the tensor-core kernels' source includes through `mma.h`).
+/// the tensor-core kernels' source includes through `mma.h`, and CCCL's, for `cuda/barrier`, which the attention
+/// kernel's `cp.async` copies include).
 fn pip_command(dir: &Path) -> Command {
     let mut cmd = Command::new("python3");
     cmd.args(["-m", "pip", "install", "--no-deps", "--target"]).arg(dir).args([
         format!("nvidia-cuda-nvrtc-cu12=={PIP_CUDA}.*"),
         format!("nvidia-cuda-runtime-cu12=={PIP_CUDA}.*"),
         format!("nvidia-cuda-nvcc-cu12=={PIP_CUDA}.*"),
+        format!("nvidia-cuda-cccl-cu12=={PIP_CUDA}.*"),
     ]);
     cmd
 }
@@ -38,6 +40,13 @@ fn pip_command(dir: &Path) -> Command {
 fn crt_include(include: &Path) -> Option<PathBuf> {
     let nvcc = include.parent()?.parent()?.join("cuda_nvcc/include");
     [include.to_path_buf(), nvcc].into_iter().find(|d| d.join("crt/mma.h").is_file())
+}
+
+/// A folder holding libcu++'s `cuda/barrier` (the attention kernel's `cp.async` copies include it) for the
+/// toolkit include folder `include`: itself, its `cccl` (CUDA 13), or pip's `cuda_cccl/include` beside it.
+fn cccl_include(include: &Path) -> Option<PathBuf> {
+    let pip = include.parent()?.parent()?.join("cuda_cccl/include");
+    [include.to_path_buf(), include.join("cccl"), pip].into_iter().find(|d| d.join("cuda/barrier").is_file())
 }
 
 /// `libnvrtc.so*` in `dir` (not the builtins or `.alt` variants), newest name first.
@@ -157,10 +166,19 @@ pub fn kernels(root: &Path, args: &[String]) -> Result<()> {
             include.display()
         )
     })?;
+    let cccl = cccl_include(&include).with_context(|| {
+        format!(
+            "cuda/barrier not found beside {} (the attention kernel's cp.async copies include it): `cargo xtask \
+             kernels --install` (pip's nvidia-cuda-cccl-cu12=={PIP_CUDA}.*)",
+            include.display()
+        )
+    })?;
     let mut cmd = Command::new(bin);
     cmd.args(["--arch", &arch, "--nvrtc"]).arg(&lib).arg("--include").arg(&include);
-    if crt != include {
-        cmd.arg("--include").arg(&crt);
+    for extra in [crt, cccl] {
+        if extra != include {
+            cmd.arg("--include").arg(&extra);
+        }
     }
     run(cmd.arg("--json").arg(&json).args(&pass))
         .with_context(|| format!("kernel check for {arch} failed (see the table above)"))

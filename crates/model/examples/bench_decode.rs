@@ -20,6 +20,10 @@
 //!
 //! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8] [--warmup 3]
 //!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR] [--compare-host-router]
+//!                     [--profile-steps N]
+//! (`--profile-steps N`: N more steps a batch between cuProfilerStart/Stop, for
+//! `ncu --profile-from-start off --metrics gpu__time_duration.sum --csv bench_decode ...`: per-kernel GPU times of
+//! decode steps alone; `scripts/ncu_step_summary.py` sums them by kernel)
 //! (`--compare-host-router`: each batch's steps timed again with the MoE routing read back to the host, as before
 //! the device router, in the same process)
 //! (`--device cpu --config fixtures/model/yarn_qlora`: the same code on the CPU backend with a small config and
@@ -143,6 +147,26 @@ struct Row {
 /// `--compare-host-router`: each batch also timed with the MoE router on the host.
 static COMPARE_HOST_ROUTER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// `--profile-steps N`: N more decode steps per batch, after the timed ones, between `cuProfilerStart` and
+/// `cuProfilerStop` (queue drained before and after), for `ncu --profile-from-start off`: each kernel of a decode
+/// step with its own GPU time, and nothing of the weight making, the prefill or the warm-up.
+static PROFILE_STEPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Brackets `f` with the CUDA profiler's start and stop (CUDA only; on the CPU backend it just runs `f`).
+fn profiled<B: Backend>(f: impl FnOnce() -> Result<(), Error>) -> Result<(), Error> {
+    let cuda = eyrie_model::fused_moe::is_cuda::<B>();
+    // SAFETY: plain driver calls with no arguments; a failure is reported, never UB.
+    if cuda && unsafe { cudarc::driver::sys::cuProfilerStart() } != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err("cuProfilerStart failed".into());
+    }
+    let done = f();
+    if cuda {
+        // SAFETY: as above.
+        let _ = unsafe { cudarc::driver::sys::cuProfilerStop() };
+    }
+    done
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_split<B: ParallelBackend>(
     first: &B::Device,
@@ -156,7 +180,8 @@ fn run_split<B: ParallelBackend>(
 ) -> Result<Vec<Row>, Error> {
     let max_batch = batches.iter().copied().max().unwrap_or(1);
     let compare = COMPARE_HOST_ROUTER.load(std::sync::atomic::Ordering::Relaxed);
-    let blocks = max_batch * (context + steps * (1 + usize::from(compare)) + 4).div_ceil(BLOCK) + 1;
+    let profile = PROFILE_STEPS.load(std::sync::atomic::Ordering::Relaxed);
+    let blocks = max_batch * (context + warmup + steps * (1 + usize::from(compare)) + profile + 1).div_ceil(BLOCK) + 1;
     let started = Instant::now();
     eprintln!("[{:.0} s] split {tp}x{ep}: making the weights", t());
     let (mut group, device) = ParallelGroup::<B>::synthetic(config, tp, ep, first, blocks, BLOCK)?;
@@ -232,6 +257,17 @@ fn run_split<B: ParallelBackend>(
         } else {
             None
         };
+        let profile_steps = PROFILE_STEPS.load(std::sync::atomic::Ordering::Relaxed);
+        if profile_steps > 0 {
+            let first_step = warmup + steps * (1 + usize::from(compare));
+            profiled::<B>(|| {
+                for i in 0..profile_steps {
+                    step(&mut group, first_step + i)?;
+                }
+                Ok(())
+            })?;
+            eprintln!("[{:.0} s] split {tp}x{ep} batch {batch}: {profile_steps} profiled steps done", t());
+        }
         let spec = ShardSpec { rank: 0, tp, ep };
         // Dense weights: BF16 on CUDA (the synthetic ones are BF16 values, as a checkpoint's), f32 on the CPU.
         let dense_bytes = if eyrie_model::fused_moe::is_cuda::<B>() { 2.0 } else { 4.0 };
@@ -363,6 +399,7 @@ fn main() -> Result<(), Error> {
             "--device" => cpu = value()? == "cpu",
             "--config" => config_dir = Some(value()?),
             "--compare-host-router" => COMPARE_HOST_ROUTER.store(true, std::sync::atomic::Ordering::Relaxed),
+            "--profile-steps" => PROFILE_STEPS.store(value()?.parse()?, std::sync::atomic::Ordering::Relaxed),
             other => return Err(format!("unknown argument {other}").into()),
         }
     }

@@ -89,7 +89,7 @@ fn main() -> Result<()> {
             let x_dev = client.create_from_slice(f32::as_bytes(&x));
             let out = client.empty(n * rows * 4);
             // The shape the model uses (fewer rows per block for short matrices, 264 blocks = 2 x 132 SMs).
-            let cfg = GemvConfig::for_shape(n, rows, 264);
+            let cfg = GemvConfig::for_shape(n, rows, k, 264);
             gemv_bf16(&client, &x_dev, &w_dev[0], &out, n, rows, k, cfg).map_err(anyhow::Error::msg)?;
             let got =
                 f32::from_bytes(&client.read_one(out.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?).to_vec();

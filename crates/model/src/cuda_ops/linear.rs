@@ -49,7 +49,7 @@ pub(crate) fn gemv<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Ten
     let client = xc.client.clone();
     let out = client.empty(n * rows * 4);
     let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
-    gemv_bf16(&client, &xc.handle, &wc.handle, &out, n, rows, k, GemvConfig::for_shape(n, rows, 2 * sms)).ok()?;
+    gemv_bf16(&client, &xc.handle, &wc.handle, &out, n, rows, k, GemvConfig::for_shape(n, rows, k, 2 * sms)).ok()?;
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
 }
 
@@ -74,7 +74,7 @@ pub(crate) fn gemv_swiglu_pair<B: Backend>(
     let client = xc.client.clone();
     let out = client.empty(n * rows * 4);
     let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
-    let cfg = GemvConfig::for_shape(n, rows, 2 * sms);
+    let cfg = GemvConfig::for_swiglu(n, rows, k, 2 * sms);
     gemv_swiglu(&client, &xc.handle, &gc.handle, &uc.handle, &out, n, rows, k, cfg).ok()?;
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
 }

@@ -212,6 +212,7 @@ pub use gpu::{mla_attention, mla_attention_kernel, mla_combine_kernel, write_row
 #[cfg(feature = "cuda")]
 mod gpu {
     use burn::cubecl;
+    use cubecl::prelude::barrier::{Barrier, copy_async};
     use cubecl::prelude::*;
     use cubecl::server::Handle;
 
@@ -221,7 +222,7 @@ mod gpu {
     #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
     pub fn mla_attention_kernel<N: Size>(
-        q: &Array<f32>,
+        q: &Array<Vector<f32, N>>,
         cache: &Array<Vector<f32, N>>,
         meta: &Array<u32>,
         o_part: &mut Array<Vector<f32, N>>,
@@ -244,12 +245,10 @@ mod gpu {
         let n_rows = n_rows as usize;
         let heads = heads as usize;
         let bs = block_size as usize;
-        let d = comptime!(r + rot);
         // 4-float vectors per latent, per latent row in shared memory (one vector of padding: the score loop's
         // 16-byte loads of 32 different rows are then free of bank conflicts), value vectors per lane.
         let dv = comptime!((r + rot) / 4);
         let kstv = comptime!((r + rot) / 4 + 1);
-        let hq = comptime!(2 * warps);
         let rjv = comptime!(r.div_ceil(128));
         let full = comptime!(r.is_multiple_of(128));
         let threads = comptime!(32 * warps);
@@ -267,25 +266,25 @@ mod gpu {
             k_end = k_begin;
         }
 
-        // Queries of the block's heads, [d][heads / 4] vectors of 4 heads; heads past the end are 0.
+        // Queries of the block's heads, `[8 warps heads][d / 4]` vectors, copied with `cp.async` (16 bytes each,
+        // all in flight at once, no registers held; the block's heads are one contiguous stretch of `q`); heads
+        // past the end are 0. The copies complete at the first tile's barrier.
+        let barrier = Barrier::shared(comptime!(32 * warps) as u32, tid == 0);
         let mut qs = SharedMemory::<Vector<f32, N>>::new(comptime!((r + rot) * 2 * warps));
-        #[unroll]
+        let q0 = (row * heads + h0) * dv;
         for it in 0..comptime!(((r + rot) * 2 * warps).div_ceil(32 * warps)) {
             let i = it * threads + tid;
             if i < comptime!((r + rot) * 2 * warps) {
-                let c = i % d;
-                let g = i / d;
-                let mut v = Vector::<f32, N>::empty();
-                #[unroll]
-                for j in 0..4usize {
-                    let h = h0 + g * 4 + j;
-                    let mut x = f32::new(0.0);
-                    if h < heads {
-                        x = q[(row * heads + h) * d + c];
-                    }
-                    v[j] = x;
+                if h0 + i / dv < heads {
+                    copy_async::<Vector<f32, N>>(&q.slice(q0 + i, q0 + i + 1), &mut qs.slice_mut(i, i + 1), 4u32);
+                } else {
+                    let mut z = Vector::<f32, N>::empty();
+                    z[0] = f32::new(0.0);
+                    z[1] = f32::new(0.0);
+                    z[2] = f32::new(0.0);
+                    z[3] = f32::new(0.0);
+                    qs[i] = z;
                 }
-                qs[c * hq + g] = v;
             }
         }
         let mut ks = SharedMemory::<Vector<f32, N>>::new(comptime!(32 * ((r + rot) / 4 + 1)));
@@ -325,24 +324,26 @@ mod gpu {
                 slots[tid] = next_slot;
             }
             sync_cube();
-            // A thread's loads are independent and unrolled in batches of 9, so 9 are in flight together (all of
-            // them at 8 warps; more would spill registers, the output accumulators hold 128).
-            for ob in 0..comptime!((32 * (r + rot) / 4).div_ceil(32 * warps).div_ceil(9)) {
-                #[unroll]
-                for ib in 0..9usize {
-                    let i = (ob * 9 + ib) * threads + tid;
-                    if i < comptime!(32 * (r + rot) / 4) {
-                        let key = i / dv;
-                        let c4 = i % dv;
-                        let mut v = Vector::<f32, N>::empty();
-                        v[0] = f32::new(0.0);
-                        v[1] = f32::new(0.0);
-                        v[2] = f32::new(0.0);
-                        v[3] = f32::new(0.0);
-                        if t0 + key < k_end {
-                            v = cache[slots[key] as usize * dv + c4];
-                        }
-                        ks[key * kstv + c4] = v;
+            // The tile's latents with `cp.async` (16 bytes each, all of a thread's copies in flight together and no
+            // registers held: loads through registers in batches of 9 left this stage latency-bound, ~30% of a
+            // one-tile block's time under Nsight Compute); positions past the slice are 0. (Not unrolled: an
+            // issued copy holds nothing, so the loop never waits.)
+            for it in 0..comptime!((32 * (r + rot) / 4).div_ceil(32 * warps)) {
+                let i = it * threads + tid;
+                if i < comptime!(32 * (r + rot) / 4) {
+                    let key = i / dv;
+                    let c4 = i % dv;
+                    let dst = key * kstv + c4;
+                    if t0 + key < k_end {
+                        let src = slots[key] as usize * dv + c4;
+                        copy_async::<Vector<f32, N>>(&cache.slice(src, src + 1), &mut ks.slice_mut(dst, dst + 1), 4u32);
+                    } else {
+                        let mut z = Vector::<f32, N>::empty();
+                        z[0] = f32::new(0.0);
+                        z[1] = f32::new(0.0);
+                        z[2] = f32::new(0.0);
+                        z[3] = f32::new(0.0);
+                        ks[dst] = z;
                     }
                 }
             }
@@ -352,7 +353,9 @@ mod gpu {
                     next_slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
                 }
             }
-            sync_cube();
+            // Every thread's copies (and, the first time, the queries) have landed and every thread has arrived.
+            barrier.commit_copy_async();
+            barrier.arrive_and_wait();
 
             // Lane = key: scores against the warp's 8 heads.
             #[unroll]
@@ -361,19 +364,15 @@ mod gpu {
             }
             for c4 in 0..dv {
                 let kv = ks[lane * kstv + c4];
+                let qw = warp * 8 * dv + c4;
+                // Head by head, each head's 4 products added in dimension order (as the CPU reference does).
                 #[unroll]
-                for e in 0..4usize {
-                    let qa = qs[(4 * c4 + e) * hq + 2 * warp];
-                    let qb = qs[(4 * c4 + e) * hq + 2 * warp + 1];
-                    let k = kv[e];
-                    s[0usize] += qa[0] * k;
-                    s[1usize] += qa[1] * k;
-                    s[2usize] += qa[2] * k;
-                    s[3usize] += qa[3] * k;
-                    s[4usize] += qb[0] * k;
-                    s[5usize] += qb[1] * k;
-                    s[6usize] += qb[2] * k;
-                    s[7usize] += qb[3] * k;
+                for h in 0..8usize {
+                    let qv = qs[qw + h * dv];
+                    #[unroll]
+                    for e in 0..4usize {
+                        s[h] += qv[e] * kv[e];
+                    }
                 }
             }
             let valid = t0 + lane < k_end;
@@ -477,12 +476,18 @@ mod gpu {
     }
 
     /// Merges the slices of each (row, head): weights `l_s exp(m_s - max m)` over the slices' normalized outputs.
-    /// One block of 128 threads per (row, head).
+    /// One block of 128 threads per (row, head), thread `i` owning 4-float vectors `i, i + 128, ...` of the output.
+    /// The maximum is a block reduction; then, 128 slices at a time, each thread computes one slice's weight into
+    /// shared memory and every thread adds the slices' vectors 8 at a time (8 independent 16-byte loads in flight:
+    /// one load after another, as a loop of dependent adds, made this launch ~42 us at 33 slices, one row of
+    /// Kimi's 64 heads: more than the attention it merges). Slices in order, as the CPU reference adds them; a
+    /// slice with `l = 0` (no positions) weighs 0 (its output is written as zeros by the attention kernel).
     #[cube(launch_unchecked, address_type = "dynamic")]
-    pub fn mla_combine_kernel(
-        o_part: &Array<f32>,
+    #[allow(clippy::manual_div_ceil)]
+    pub fn mla_combine_kernel<N: Size>(
+        o_part: &Array<Vector<f32, N>>,
         ml_part: &Array<f32>,
-        out: &mut Array<f32>,
+        out: &mut Array<Vector<f32, N>>,
         pairs: u32,
         splits: u32,
         #[comptime] r: usize,
@@ -490,34 +495,98 @@ mod gpu {
         let rh = CUBE_POS_X as usize;
         let tid = UNIT_POS as usize;
         let pairs = pairs as usize;
+        let splits = splits as usize;
+        let rv = comptime!(r / 4);
+        let nv = comptime!((r / 4).div_ceil(128));
+
         let mut mx = f32::new(-1.0e30);
-        for s in 0..splits as usize {
-            if ml_part[(s * pairs + rh) * 2 + 1] > f32::new(0.0) {
-                mx = f32::max(mx, ml_part[(s * pairs + rh) * 2]);
+        for i in 0..(splits + 127) / 128 {
+            let sp = i * 128 + tid;
+            if sp < splits && ml_part[(sp * pairs + rh) * 2 + 1] > f32::new(0.0) {
+                mx = f32::max(mx, ml_part[(sp * pairs + rh) * 2]);
             }
         }
+        mx = plane_max(mx);
+        let mut red = SharedMemory::<f32>::new(4usize);
+        if tid.is_multiple_of(32) {
+            red[tid / 32] = mx;
+        }
+        sync_cube();
+        mx = f32::max(f32::max(red[0], red[1]), f32::max(red[2], red[3]));
+
+        let mut wts = SharedMemory::<f32>::new(128usize);
+        let mut acc = Array::<f32>::new(comptime!(4 * (r / 4).div_ceil(128)));
+        #[unroll]
+        for a in 0..comptime!(4 * (r / 4).div_ceil(128)) {
+            acc[a] = f32::new(0.0);
+        }
         let mut den = f32::new(0.0);
-        for s in 0..splits as usize {
-            let l = ml_part[(s * pairs + rh) * 2 + 1];
-            if l > f32::new(0.0) {
-                den += l * (ml_part[(s * pairs + rh) * 2] - mx).exp();
+        for chunk in 0..(splits + 127) / 128 {
+            let sp = chunk * 128 + tid;
+            let mut wgt = f32::new(0.0);
+            if sp < splits {
+                let l = ml_part[(sp * pairs + rh) * 2 + 1];
+                if l > f32::new(0.0) {
+                    wgt = l * (ml_part[(sp * pairs + rh) * 2] - mx).exp();
+                }
+            }
+            // The previous chunk's readers are done with `wts`.
+            sync_cube();
+            wts[tid] = wgt;
+            sync_cube();
+            let mut here = splits - chunk * 128;
+            if here > 128 {
+                here = 128;
+            }
+            for j8 in 0..(here + 7) / 8 {
+                #[unroll]
+                for it in 0..nv {
+                    let c4 = it * 128 + tid;
+                    if c4 < rv {
+                        let mut v = Array::<Vector<f32, N>>::new(8usize);
+                        #[unroll]
+                        for u in 0..8usize {
+                            let j = j8 * 8 + u;
+                            if j < here {
+                                v[u] = o_part[((chunk * 128 + j) * pairs + rh) * rv + c4];
+                            }
+                        }
+                        #[unroll]
+                        for u in 0..8usize {
+                            let j = j8 * 8 + u;
+                            if j < here {
+                                let wj = wts[j];
+                                #[unroll]
+                                for e in 0..4usize {
+                                    acc[4 * it + e] += wj * v[u][e];
+                                }
+                            }
+                        }
+                    }
+                }
+                #[unroll]
+                for u in 0..8usize {
+                    let j = j8 * 8 + u;
+                    if j < here {
+                        den += wts[j];
+                    }
+                }
             }
         }
         let mut inv = f32::new(0.0);
         if den > f32::new(0.0) {
             inv = f32::new(1.0) / den;
         }
-        for it in 0..comptime!(r.div_ceil(128)) {
-            let c = it * 128 + tid;
-            if c < r {
-                let mut num = f32::new(0.0);
-                for s in 0..splits as usize {
-                    let l = ml_part[(s * pairs + rh) * 2 + 1];
-                    if l > f32::new(0.0) {
-                        num += l * (ml_part[(s * pairs + rh) * 2] - mx).exp() * o_part[(s * pairs + rh) * r + c];
-                    }
+        #[unroll]
+        for it in 0..nv {
+            let c4 = it * 128 + tid;
+            if c4 < rv {
+                let mut o = Vector::<f32, N>::empty();
+                #[unroll]
+                for e in 0..4usize {
+                    o[e] = acc[4 * it + e] * inv;
                 }
-                out[rh * r + c] = num * inv;
+                out[rh * rv + c4] = o;
             }
         }
     }
@@ -668,7 +737,7 @@ mod gpu {
                 CubeDim::new_2d(32, cfg.warps as u32),
                 address,
                 4,
-                ArrayArg::from_raw_parts(q.clone(), n * heads * d),
+                ArrayArg::from_raw_parts(q.clone(), n * heads * d / 4),
                 ArrayArg::from_raw_parts(cache.clone(), slots * d / 4),
                 ArrayArg::from_raw_parts(meta.clone(), meta_len),
                 ArrayArg::from_raw_parts(o_part.clone(), o_len / 4),
@@ -689,9 +758,10 @@ mod gpu {
                     CubeCount::Static(pairs as u32, 1, 1),
                     CubeDim::new_1d(128),
                     AddressType::from_len(o_len),
-                    ArrayArg::from_raw_parts(o_part.clone(), o_len),
+                    4,
+                    ArrayArg::from_raw_parts(o_part.clone(), o_len / 4),
                     ArrayArg::from_raw_parts(ml_part.clone(), cfg.splits * pairs * 2),
-                    ArrayArg::from_raw_parts(out.clone(), pairs * r),
+                    ArrayArg::from_raw_parts(out.clone(), pairs * r / 4),
                     pairs as u32,
                     cfg.splits as u32,
                     r,

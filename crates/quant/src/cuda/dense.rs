@@ -68,6 +68,12 @@ mod gpu {
         pub rows_at_once: usize,
         /// Tokens per pass (1, 2, 4 or 8); more tokens take several passes over the weights.
         pub tb: usize,
+        /// Warps of a block that share each group of rows, each taking every `ksplit`-th 512-byte stretch of the
+        /// row (`warps` a multiple of it); their sums meet in shared memory.
+        pub ksplit: usize,
+        /// Stretches a warp loads together before using them (`rows_at_once * unroll` 16-byte loads in flight
+        /// per lane).
+        pub unroll: usize,
     }
 
     impl GemvConfig {
@@ -79,25 +85,45 @@ mod gpu {
                 3 | 4 => 4,
                 _ => 8,
             };
-            Self { warps: 8, rows_at_once: if tb >= 8 { 2 } else { 4 }, tb }
+            Self { warps: 8, rows_at_once: if tb >= 8 { 2 } else { 4 }, tb, ksplit: 1, unroll: 1 }
         }
 
-        /// [`Self::for_tokens`] with fewer rows per block for short matrices at up to 4 tokens, so that at least
-        /// `blocks` blocks run (twice the SMs of the device: 264 on an H200): a 1536-row matrix gets 384 blocks of
-        /// 4 rows instead of 48 blocks of 32. Measured on the H200 (bench/REPORT.md, both shapes at every Kimi
-        /// matrix): faster at 1-4 tokens, slower at 8-16 tokens for short matrices, which keep `for_tokens`.
-        pub fn for_shape(n: usize, rows: usize, blocks: usize) -> Self {
+        /// [`Self::for_tokens`] reshaped for short matrices at up to 4 tokens, so that at least `blocks` blocks of
+        /// 8 warps run (twice the SMs: 264 on an H200) with about 8 loads in flight a lane: first fewer rows a warp,
+        /// then the warps of a block split each row's `k` (`ksplit`, up to 8, while every warp keeps 2 or more
+        /// stretches of 512 bytes), each loading up to 8 / `rows_at_once` stretches before using them. A 576-row
+        /// matrix of `k` 7168 (`kv_a_proj`) had 288 blocks of 2 warps, one row and one load in flight each
+        /// (latency-bound: 17 us for 8 MB under Nsight Compute); it gets 288 blocks of 8 warps, 4 to a row, 7
+        /// loads in flight. Matrices that fill the device at 4 rows a warp (`o_proj`, `lm_head`: 90-110% of
+        /// the copy bandwidth already) and 8-16 tokens keep [`Self::for_tokens`].
+        pub fn for_shape(n: usize, rows: usize, k: usize, blocks: usize) -> Self {
             let mut c = Self::for_tokens(n);
             if n > 4 {
                 return c;
             }
-            let count = |c: &Self| rows.div_ceil(c.warps * c.rows_at_once);
+            let count = |c: &Self| rows.div_ceil((c.warps / c.ksplit) * c.rows_at_once);
+            let stretches = (k / 8).div_ceil(32);
+            if count(&c) >= blocks {
+                return c;
+            }
             while c.rows_at_once > 1 && count(&c) < blocks {
                 c.rows_at_once /= 2;
             }
-            while c.warps > 2 && count(&c) < blocks {
-                c.warps /= 2;
+            while c.ksplit < c.warps && count(&c) < blocks && stretches >= 4 * c.ksplit {
+                c.ksplit *= 2;
             }
+            // Several stretches in flight only at one row a warp: with 2 rows (the 7168-row matrices) 4 stretches
+            // made `o_proj` 36 -> 41 us at one token and 53 -> 78 us at four (bench/REPORT.md).
+            if c.rows_at_once == 1 {
+                c.unroll = 8.min(stretches.div_ceil(c.ksplit));
+            }
+            c
+        }
+
+        /// [`Self::for_shape`] for [`gemv_swiglu`], which loads two matrices' rows: half the stretches at once.
+        pub fn for_swiglu(n: usize, rows: usize, k: usize, blocks: usize) -> Self {
+            let mut c = Self::for_shape(n, rows, k, blocks);
+            c.unroll = c.unroll.div_ceil(2);
             c
         }
     }
@@ -118,7 +144,77 @@ mod gpu {
         s
     }
 
-    /// One warp per `rows_at_once` rows, `tb` tokens per pass (module docs of `eyrie_quant::cuda::dense`).
+    /// Lane `lane`'s 16-byte weight vectors of stretches `i0 .. i0 + unroll` of its warp (stretch `i` of k-part
+    /// `ks` is vector `(i * ksplit + ks) * 32 + lane` of each row), for `rows_at_once` rows from `row0` (rows past
+    /// the end re-read the last row; their sums are never written), into `wv[j * rows_at_once + q]`: all loads
+    /// first, so they are in flight together. Vectors past the row's end are not loaded.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn load_stretches<N: Size>(
+        w: &Array<Vector<u32, N>>,
+        wv: &mut Array<Vector<u32, N>>,
+        #[comptime] slot0: usize,
+        row0: usize,
+        rows: usize,
+        i0: usize,
+        ks: usize,
+        lane: usize,
+        #[comptime] kv: usize,
+        #[comptime] rows_at_once: usize,
+        #[comptime] ksplit: usize,
+        #[comptime] unroll: usize,
+    ) {
+        #[unroll]
+        for j in 0..unroll {
+            let v = ((i0 + j) * ksplit + ks) * 32 + lane;
+            if v < kv {
+                #[unroll]
+                for q in 0..rows_at_once {
+                    let mut row = row0 + q;
+                    if row >= rows {
+                        row = rows - 1;
+                    }
+                    wv[slot0 + j * rows_at_once + q] = w[row * kv + v];
+                }
+            }
+        }
+    }
+
+    /// Adds the `ksplit` warps' partial sums of each of a block's row groups (warp `w` = group `w / ksplit`, part
+    /// `w % ksplit`; `acc` already summed over the warp) in part order, through shared memory: afterwards lane 0
+    /// of each group's part-0 warp holds the full sums in `acc`. Every thread of the block must call it.
+    #[cube]
+    fn sum_ksplit(
+        acc: &mut Array<f32>,
+        warp: usize,
+        lane: usize,
+        #[comptime] len: usize,
+        #[comptime] warps: usize,
+        #[comptime] ksplit: usize,
+    ) {
+        if comptime!(ksplit > 1) {
+            let mut parts = SharedMemory::<f32>::new(comptime!(warps * len));
+            if lane == 0 {
+                #[unroll]
+                for a in 0..len {
+                    parts[warp * len + a] = acc[a];
+                }
+            }
+            sync_cube();
+            if lane == 0 && warp.is_multiple_of(ksplit) {
+                #[unroll]
+                for p in 1..ksplit {
+                    #[unroll]
+                    for a in 0..len {
+                        acc[a] += parts[(warp + p) * len + a];
+                    }
+                }
+            }
+        }
+    }
+
+    /// One warp per `rows_at_once` rows (and one `ksplit`-th of their `k`), `tb` tokens per pass (module docs of
+    /// `eyrie_quant::cuda::dense`).
     #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
     pub fn gemv_bf16_kernel<N: Size>(
@@ -131,6 +227,8 @@ mod gpu {
         #[comptime] rows_at_once: usize,
         #[comptime] tb: usize,
         #[comptime] warps: usize,
+        #[comptime] ksplit: usize,
+        #[comptime] unroll: usize,
     ) {
         let lane = UNIT_POS_X as usize;
         let warp = UNIT_POS_Y as usize;
@@ -140,7 +238,8 @@ mod gpu {
         // 16-byte weight vectors (8 weights) per row; 4-float activation vectors per token row.
         let kv = comptime!(k / 8);
         let k4 = comptime!(k / 4);
-        let row0 = (CUBE_POS_X as usize * warps + warp) * rows_at_once;
+        let ks = warp % ksplit;
+        let row0 = (CUBE_POS_X as usize * comptime!(warps / ksplit) + warp / ksplit) * rows_at_once;
         let t0 = CUBE_POS_Y as usize * tb;
 
         let mut acc = Array::<f32>::new(comptime!(rows_at_once * tb));
@@ -148,44 +247,43 @@ mod gpu {
         for a in 0..comptime!(rows_at_once * tb) {
             acc[a] = f32::new(0.0);
         }
-        let mut wv = Array::<Vector<u32, N>>::new(rows_at_once);
-        for i in 0..comptime!(kv.div_ceil(32)) {
-            let v = lane + 32 * i;
-            if v < kv {
-                // All of this lane's weight loads first, so they are in flight together. Rows past the end re-read
-                // the last row; their sums are never written.
-                #[unroll]
-                for q in 0..rows_at_once {
-                    let mut row = row0 + q;
-                    if row >= rows {
-                        row = rows - 1;
-                    }
-                    wv[q] = w[row * kv + v];
-                }
-                #[unroll]
-                for t in 0..tb {
-                    let mut tok = t0 + t;
-                    if tok >= n {
-                        tok = n - 1;
-                    }
-                    let x0 = x[tok * k4 + 2 * v];
-                    let x1 = x[tok * k4 + 2 * v + 1];
+        let mut wv = Array::<Vector<u32, N>>::new(comptime!(rows_at_once * unroll));
+        for ib in 0..comptime!(kv.div_ceil(32 * ksplit).div_ceil(unroll)) {
+            let i0 = ib * unroll;
+            load_stretches::<N>(w, &mut wv, 0usize, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
+            #[unroll]
+            for j in 0..unroll {
+                let v = ((i0 + j) * ksplit + ks) * 32 + lane;
+                if v < kv {
                     #[unroll]
-                    for q in 0..rows_at_once {
-                        acc[q * tb + t] += bf16x8_dot::<N>(wv[q], x0, x1);
+                    for t in 0..tb {
+                        let mut tok = t0 + t;
+                        if tok >= n {
+                            tok = n - 1;
+                        }
+                        let x0 = x[tok * k4 + 2 * v];
+                        let x1 = x[tok * k4 + 2 * v + 1];
+                        #[unroll]
+                        for q in 0..rows_at_once {
+                            acc[q * tb + t] += bf16x8_dot::<N>(wv[j * rows_at_once + q], x0, x1);
+                        }
                     }
                 }
             }
         }
         #[unroll]
+        for a in 0..comptime!(rows_at_once * tb) {
+            acc[a] = plane_sum(acc[a]);
+        }
+        sum_ksplit(&mut acc, warp, lane, comptime!(rows_at_once * tb), warps, ksplit);
+        #[unroll]
         for q in 0..rows_at_once {
             #[unroll]
             for t in 0..tb {
-                let s = plane_sum(acc[q * tb + t]);
                 let row = row0 + q;
                 let tok = t0 + t;
-                if lane == 0 && row < rows && tok < n {
-                    out[tok * rows + row] = s;
+                if lane == 0 && ks == 0 && row < rows && tok < n {
+                    out[tok * rows + row] = acc[q * tb + t];
                 }
             }
         }
@@ -207,6 +305,8 @@ mod gpu {
         #[comptime] rows_at_once: usize,
         #[comptime] tb: usize,
         #[comptime] warps: usize,
+        #[comptime] ksplit: usize,
+        #[comptime] unroll: usize,
     ) {
         let lane = UNIT_POS_X as usize;
         let warp = UNIT_POS_Y as usize;
@@ -214,51 +314,58 @@ mod gpu {
         let rows = rows as usize;
         let kv = comptime!(k / 8);
         let k4 = comptime!(k / 4);
-        let row0 = (CUBE_POS_X as usize * warps + warp) * rows_at_once;
+        let ks = warp % ksplit;
+        let row0 = (CUBE_POS_X as usize * comptime!(warps / ksplit) + warp / ksplit) * rows_at_once;
         let t0 = CUBE_POS_Y as usize * tb;
+        // Gate rows in accumulators and loads `0 .. rows_at_once * ..`, up rows after them.
+        let half = comptime!(rows_at_once * unroll);
 
         let mut acc = Array::<f32>::new(comptime!(2 * rows_at_once * tb));
         #[unroll]
         for a in 0..comptime!(2 * rows_at_once * tb) {
             acc[a] = f32::new(0.0);
         }
-        let mut wv = Array::<Vector<u32, N>>::new(comptime!(2 * rows_at_once));
-        for i in 0..comptime!(kv.div_ceil(32)) {
-            let v = lane + 32 * i;
-            if v < kv {
-                #[unroll]
-                for q in 0..rows_at_once {
-                    let mut row = row0 + q;
-                    if row >= rows {
-                        row = rows - 1;
-                    }
-                    wv[q] = wg[row * kv + v];
-                    wv[rows_at_once + q] = wu[row * kv + v];
-                }
-                #[unroll]
-                for t in 0..tb {
-                    let mut tok = t0 + t;
-                    if tok >= n {
-                        tok = n - 1;
-                    }
-                    let x0 = x[tok * k4 + 2 * v];
-                    let x1 = x[tok * k4 + 2 * v + 1];
+        let mut wv = Array::<Vector<u32, N>>::new(comptime!(2 * rows_at_once * unroll));
+        for ib in 0..comptime!(kv.div_ceil(32 * ksplit).div_ceil(unroll)) {
+            let i0 = ib * unroll;
+            load_stretches::<N>(wg, &mut wv, 0usize, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
+            load_stretches::<N>(wu, &mut wv, half, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
+            #[unroll]
+            for j in 0..unroll {
+                let v = ((i0 + j) * ksplit + ks) * 32 + lane;
+                if v < kv {
                     #[unroll]
-                    for q in 0..comptime!(2 * rows_at_once) {
-                        acc[q * tb + t] += bf16x8_dot::<N>(wv[q], x0, x1);
+                    for t in 0..tb {
+                        let mut tok = t0 + t;
+                        if tok >= n {
+                            tok = n - 1;
+                        }
+                        let x0 = x[tok * k4 + 2 * v];
+                        let x1 = x[tok * k4 + 2 * v + 1];
+                        #[unroll]
+                        for q in 0..rows_at_once {
+                            acc[q * tb + t] += bf16x8_dot::<N>(wv[j * rows_at_once + q], x0, x1);
+                            acc[(rows_at_once + q) * tb + t] +=
+                                bf16x8_dot::<N>(wv[half + j * rows_at_once + q], x0, x1);
+                        }
                     }
                 }
             }
         }
         #[unroll]
+        for a in 0..comptime!(2 * rows_at_once * tb) {
+            acc[a] = plane_sum(acc[a]);
+        }
+        sum_ksplit(&mut acc, warp, lane, comptime!(2 * rows_at_once * tb), warps, ksplit);
+        #[unroll]
         for q in 0..rows_at_once {
             #[unroll]
             for t in 0..tb {
-                let g = plane_sum(acc[q * tb + t]);
-                let u = plane_sum(acc[(rows_at_once + q) * tb + t]);
+                let g = acc[q * tb + t];
+                let u = acc[(rows_at_once + q) * tb + t];
                 let row = row0 + q;
                 let tok = t0 + t;
-                if lane == 0 && row < rows && tok < n {
+                if lane == 0 && ks == 0 && row < rows && tok < n {
                     out[tok * rows + row] = g / (f32::new(1.0) + (-g).exp()) * u;
                 }
             }
@@ -279,15 +386,24 @@ mod gpu {
         if n == 0 || rows == 0 || k == 0 || !k.is_multiple_of(8) {
             return Err(format!("{what}: n {n}, rows {rows}, k {k}: need all >= 1 and k a multiple of 8"));
         }
-        if !matches!(cfg.tb, 1 | 2 | 4 | 8) || cfg.warps == 0 || cfg.rows_at_once == 0 {
-            return Err(format!("{what}: launch shape {cfg:?}: tb 1, 2, 4 or 8, warps and rows_at_once >= 1"));
+        if !matches!(cfg.tb, 1 | 2 | 4 | 8)
+            || cfg.warps == 0
+            || cfg.rows_at_once == 0
+            || cfg.unroll == 0
+            || cfg.ksplit == 0
+            || !cfg.warps.is_multiple_of(cfg.ksplit)
+        {
+            return Err(format!(
+                "{what}: launch shape {cfg:?}: tb 1, 2, 4 or 8, warps, rows_at_once, unroll >= 1, warps a multiple \
+                 of ksplit"
+            ));
         }
         for &(name, h, bytes) in sizes {
             if (h.size_in_used() as usize) < bytes {
                 return Err(format!("{what}: {name} holds {} bytes, needs {bytes}", h.size_in_used()));
             }
         }
-        let per_block = cfg.warps * cfg.rows_at_once;
+        let per_block = cfg.warps / cfg.ksplit * cfg.rows_at_once;
         let count = CubeCount::Static(rows.div_ceil(per_block) as u32, n.div_ceil(cfg.tb) as u32, 1);
         Ok((count, AddressType::from_len((rows * k / 2).max(n * k).max(n * rows))))
     }
@@ -331,6 +447,8 @@ mod gpu {
                 cfg.rows_at_once,
                 cfg.tb,
                 cfg.warps,
+                cfg.ksplit,
+                cfg.unroll,
             );
         }
         Ok(())
@@ -372,6 +490,8 @@ mod gpu {
                 cfg.rows_at_once,
                 cfg.tb,
                 cfg.warps,
+                cfg.ksplit,
+                cfg.unroll,
             );
         }
         Ok(())
@@ -385,10 +505,25 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn short_matrices_get_smaller_blocks_only_at_few_tokens() {
-        let few = GemvConfig::for_shape(1, 1536, 264);
-        assert!(1536usize.div_ceil(few.warps * few.rows_at_once) >= 264, "{few:?}");
-        assert_eq!(GemvConfig::for_shape(8, 1536, 264), GemvConfig::for_tokens(8));
-        assert_eq!(GemvConfig::for_shape(1, 163_840, 264), GemvConfig::for_tokens(1));
+        for (rows, k) in [(1536, 7168), (576, 7168), (384, 7168), (2048, 7168), (7168, 2048)] {
+            let c = GemvConfig::for_shape(1, rows, k, 264);
+            let blocks = rows.div_ceil(c.warps / c.ksplit * c.rows_at_once);
+            assert!(blocks >= 264 || c.ksplit == 8, "{rows}x{k}: {c:?}");
+            assert!(c.warps.is_multiple_of(c.ksplit), "{c:?}");
+            // Every warp keeps at least 2 stretches of 512 bytes; at one row a warp several are in flight.
+            assert!((k / 8).div_ceil(32) >= 2 * c.ksplit, "{rows}x{k}: {c:?}");
+            assert!(c.rows_at_once * c.unroll >= 4 || c.unroll == 1, "{rows}x{k}: {c:?}");
+            assert!(c.rows_at_once == 1 || c.unroll == 1, "{rows}x{k}: {c:?}");
+            let sw = GemvConfig::for_swiglu(1, rows, k, 264);
+            assert_eq!(sw, GemvConfig { unroll: c.unroll.div_ceil(2), ..c });
+        }
+        let kv_a = GemvConfig::for_shape(1, 576, 7168, 264);
+        assert_eq!((kv_a.rows_at_once, kv_a.ksplit, kv_a.unroll), (1, 4, 7), "{kv_a:?}");
+        assert_eq!(GemvConfig::for_shape(8, 1536, 7168, 264), GemvConfig::for_tokens(8));
+        assert_eq!(GemvConfig::for_shape(1, 163_840, 7168, 264), GemvConfig::for_tokens(1));
+        // o_proj: 224 blocks of 4 rows a warp -> 2 rows, one stretch at a time (as before the k-split).
+        let o = GemvConfig::for_shape(4, 7168, 8192, 264);
+        assert_eq!(o, GemvConfig { rows_at_once: 2, ..GemvConfig::for_tokens(4) });
     }
 
     #[test]

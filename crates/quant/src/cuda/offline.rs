@@ -240,7 +240,7 @@ fn define_mla_attention(r: usize, rot: usize, warps: usize, props: &DeviceProper
     let mut b = builder(props, address);
     b.scope.register_size::<N>(VEC);
     let a = ARRAY;
-    let q = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
     let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
     let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
     let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
@@ -273,21 +273,20 @@ fn define_mla_attention(r: usize, rot: usize, warps: usize, props: &DeviceProper
 }
 
 fn define_mla_combine(r: usize, props: &DeviceProperties) -> KernelDefinition {
+    use mla_combine_kernel::_N;
+    type N = DynamicSize<_N>;
     let address = AddressType::U32;
     let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
     let a = ARRAY;
-    let o_part = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
     let ml_part = <Array<f32> as LaunchArg>::expand(&a, &mut b);
-    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let out = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
     let pairs = <u32 as LaunchArg>::expand(&(), &mut b);
     let splits = <u32 as LaunchArg>::expand(&(), &mut b);
-    mla_combine_kernel::expand(&mut b.scope, o_part, ml_part, out, pairs, splits, r);
-    b.build(
-        KernelSettings::default()
-            .cube_dim(CubeDim::new_1d(128))
-            .address_type(address)
-            .kernel_name("mla_combine_kernel"),
-    )
+    mla_combine_kernel::expand::<N>(&mut b.scope, VEC, o_part, ml_part, out, pairs, splits, r);
+    let name = format!("mla_combine_kernel_n_{VEC}");
+    b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(128)).address_type(address).kernel_name(name))
 }
 
 fn define_gemv(k: usize, cfg: &super::dense::GemvConfig, props: &DeviceProperties) -> KernelDefinition {
@@ -302,7 +301,22 @@ fn define_gemv(k: usize, cfg: &super::dense::GemvConfig, props: &DevicePropertie
     let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
     let tokens = <u32 as LaunchArg>::expand(&(), &mut b);
     let rows = <u32 as LaunchArg>::expand(&(), &mut b);
-    gemv_bf16_kernel::expand::<N>(&mut b.scope, VEC, x, w, out, tokens, rows, k, cfg.rows_at_once, cfg.tb, cfg.warps);
+    let c = cfg;
+    gemv_bf16_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        x,
+        w,
+        out,
+        tokens,
+        rows,
+        k,
+        c.rows_at_once,
+        c.tb,
+        c.warps,
+        c.ksplit,
+        c.unroll,
+    );
     let name = format!("gemv_bf16_kernel_n_{VEC}");
     b.build(
         KernelSettings::default()
@@ -338,6 +352,8 @@ fn define_gemv_swiglu(k: usize, cfg: &super::dense::GemvConfig, props: &DevicePr
         cfg.rows_at_once,
         cfg.tb,
         cfg.warps,
+        cfg.ksplit,
+        cfg.unroll,
     );
     let name = format!("gemv_swiglu_kernel_n_{VEC}");
     b.build(

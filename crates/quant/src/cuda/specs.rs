@@ -438,10 +438,18 @@ impl KernelSpec {
             Self::MlaAttention { r, rot, warps } => format!("mla_attention r{r} rot{rot} warps{warps}"),
             Self::MlaCombine { r } => format!("mla_combine r{r}"),
             Self::Gemv { k, cfg } => {
-                format!("gemv_bf16 k{k} warps{} rows{} tb{}", cfg.warps, cfg.rows_at_once, cfg.tb)
+                let c = cfg;
+                format!(
+                    "gemv_bf16 k{k} warps{} rows{} tb{} ksplit{} unroll{}",
+                    c.warps, c.rows_at_once, c.tb, c.ksplit, c.unroll
+                )
             }
             Self::GemvSwiglu { k, cfg } => {
-                format!("gemv_swiglu k{k} warps{} rows{} tb{}", cfg.warps, cfg.rows_at_once, cfg.tb)
+                let c = cfg;
+                format!(
+                    "gemv_swiglu k{k} warps{} rows{} tb{} ksplit{} unroll{}",
+                    c.warps, c.rows_at_once, c.tb, c.ksplit, c.unroll
+                )
             }
             Self::SplitBf16x3 => "split_bf16x3".into(),
             Self::Sum3 => "sum3 f32x4".into(),
@@ -521,9 +529,10 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
     out.push(KernelSpec::MlaCombine { r });
     for &k in ks {
         for n in 1..=16 {
-            for rows in [384, 576, 1536, 16384] {
-                let cfg = GemvConfig::for_shape(n, rows, 264);
-                for spec in [KernelSpec::Gemv { k, cfg }, KernelSpec::GemvSwiglu { k, cfg }] {
+            for rows in [384, 576, 1536, 2048, 7168, 12288, 16384] {
+                let cfg = GemvConfig::for_shape(n, rows, k, 264);
+                let swiglu = GemvConfig::for_swiglu(n, rows, k, 264);
+                for spec in [KernelSpec::Gemv { k, cfg }, KernelSpec::GemvSwiglu { k, cfg: swiglu }] {
                     if !out.contains(&spec) {
                         out.push(spec);
                     }
