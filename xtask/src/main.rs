@@ -41,7 +41,7 @@ commands:
                           GEMV, ...) compiled by NVRTC for an architecture (no GPU):
                           registers, shared memory, spills; fails if one does not fit a block (default JSON:
                           target/kernels-<arch>.json; --install pip-installs CUDA 12.8's NVRTC and headers, with
-                          nvcc's crt/mma.h; --only keeps the specialisations whose label contains TEXT; --dump
+                          nvcc's crt/mma.h and CCCL's cuda/barrier; --only keeps the specialisations whose label contains TEXT; --dump
                           writes each one's CUDA C++ into DIR)
   build --cuda X.Y [--check]
                           release eyrie (eyrie-server, cuda) with cudarc bindings for CUDA X.Y, in target/cuda-X.Y
