@@ -160,9 +160,10 @@ pub fn mla_attention_reference(
 
 /// Shared memory of one block of [`gpu::mla_attention_kernel`] with `warps` warps and latents of width `d`:
 /// the block's queries (`8 warps` heads x `d`), one tile of 32 latents (rows padded by one 16-byte vector against
-/// bank conflicts), each warp's 32 x 8 softmax weights and the tile's 32 cache rows.
+/// bank conflicts), each warp's 32 x 8 softmax weights, the tile's 32 cache rows, and the `cp.async` barrier (8
+/// bytes, 16 with its alignment).
 pub fn attention_shared_bytes(d: usize, warps: usize) -> usize {
-    4 * (d * 8 * warps + 32 * (d / 4 + 1) * 4 + warps * 32 * 8 + 32)
+    4 * (d * 8 * warps + 32 * (d / 4 + 1) * 4 + warps * 32 * 8 + 32) + 16
 }
 
 /// Launch shape of the attention: warps per block (8 heads each) and slices per query row.
@@ -217,6 +218,17 @@ mod gpu {
     use cubecl::server::Handle;
 
     use super::{AttentionConfig, PagedRows};
+
+    /// A vector of four f32 zeros (built element by element: NVRTC refuses CubeCL's cast of a literal).
+    #[cube]
+    fn zeros4<N: Size>() -> Vector<f32, N> {
+        let mut z = Vector::<f32, N>::empty();
+        z[0] = f32::new(0.0);
+        z[1] = f32::new(0.0);
+        z[2] = f32::new(0.0);
+        z[3] = f32::new(0.0);
+        z
+    }
 
     /// One block: one query row, `8 * warps` heads, one slice of positions (module docs).
     #[cube(launch_unchecked, address_type = "dynamic")]
@@ -278,12 +290,7 @@ mod gpu {
                 if h0 + i / dv < heads {
                     copy_async::<Vector<f32, N>>(&q.slice(q0 + i, q0 + i + 1), &mut qs.slice_mut(i, i + 1), 4u32);
                 } else {
-                    let mut z = Vector::<f32, N>::empty();
-                    z[0] = f32::new(0.0);
-                    z[1] = f32::new(0.0);
-                    z[2] = f32::new(0.0);
-                    z[3] = f32::new(0.0);
-                    qs[i] = z;
+                    qs[i] = zeros4::<N>();
                 }
             }
         }
@@ -338,12 +345,7 @@ mod gpu {
                         let src = slots[key] as usize * dv + c4;
                         copy_async::<Vector<f32, N>>(&cache.slice(src, src + 1), &mut ks.slice_mut(dst, dst + 1), 4u32);
                     } else {
-                        let mut z = Vector::<f32, N>::empty();
-                        z[0] = f32::new(0.0);
-                        z[1] = f32::new(0.0);
-                        z[2] = f32::new(0.0);
-                        z[3] = f32::new(0.0);
-                        ks[dst] = z;
+                        ks[dst] = zeros4::<N>();
                     }
                 }
             }
