@@ -11,6 +11,7 @@ const BENCHES: &[(&str, &str, &str)] = &[
     // (name, package, example)
     ("load", "eyrie-quant", "bench_load"),
     ("spec", "eyrie-spec-decode", "bench_spec"),
+    ("sampling", "eyrie-model", "bench_sampling"),
 ];
 
 pub fn run_bench(root: &Path, args: &[String]) -> Result<()> {

@@ -451,6 +451,63 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// The token of each row of `plan` whose sequence has its whole prompt in the cache (`None` for a row still in
+    /// prefill), with its log-probabilities when the request asked for them. Rows are picked on threads when more
+    /// than one picks: a non-greedy pick computes an f64 softmax over the vocabulary (~1.5-3 ms of host time for
+    /// Kimi's 163840 tokens), so a batch of 32 sampled serially cost tens of milliseconds a step. Each sequence
+    /// has its own generator, so the picks are the same whatever the threads.
+    fn pick_rows(
+        &mut self,
+        plan: &[(usize, usize)],
+        logits: &[f32],
+        vocab: usize,
+    ) -> Vec<Option<(u32, Option<TokenLogprobs>)>> {
+        type Job<'a> = (usize, &'a mut Sampler, &'a [u32], Option<usize>);
+        let mut jobs: Vec<Job<'_>> = Vec::with_capacity(plan.len());
+        let mut rows = plan.iter().map(|&(i, _)| i).enumerate().peekable();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            // `plan` is sorted by sequence index (`plan()`), so one walk pairs them.
+            while rows.peek().is_some_and(|&(_, r)| r < i) {
+                rows.next();
+            }
+            let Some(&(row, _)) = rows.peek().filter(|&&(_, r)| r == i) else {
+                continue;
+            };
+            if seq.computed() < seq.tokens.len() {
+                continue; // mid-prefill
+            }
+            let Seq { tokens, prompt_len, sampler, params, .. } = seq;
+            jobs.push((row, sampler, &tokens[*prompt_len..], params.logprobs));
+        }
+        let pick = |(row, sampler, history, logprobs): &mut Job<'_>| {
+            let values = &logits[*row * vocab..(*row + 1) * vocab];
+            let id = sampler.sample_after(values, history);
+            let lp = logprobs.map(|k| {
+                let lp = log_softmax(values);
+                TokenLogprobs { logprob: lp[id as usize], top: top_n(&lp, k) }
+            });
+            (*row, id, lp)
+        };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(jobs.len());
+        let picked: Vec<(usize, u32, Option<TokenLogprobs>)> = if threads <= 1 {
+            jobs.iter_mut().map(pick).collect()
+        } else {
+            let per = jobs.len().div_ceil(threads);
+            std::thread::scope(|s| {
+                let handles: Vec<_> = jobs
+                    .chunks_mut(per)
+                    .map(|chunk| s.spawn(|| chunk.iter_mut().map(pick).collect::<Vec<_>>()))
+                    .collect();
+                handles.into_iter().flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+            })
+        };
+        let mut out: Vec<Option<(u32, Option<TokenLogprobs>)>> = vec![None; plan.len()];
+        for (row, id, lp) in picked {
+            out[row] = Some((id, lp));
+        }
+        out
+    }
+
     fn step(&mut self) {
         let plan = self.plan();
         if plan.is_empty() {
@@ -488,26 +545,20 @@ impl<B: Backend> Engine<B> {
             Ok(Err(e)) => return self.fail_step(&plan, &format!("{e:#}")),
             Err(panic) => return self.fail_step(&plan, &format!("panic: {}", panic_message(&*panic))),
         };
+        let mut picks = self.pick_rows(&plan, &logits, vocab);
         let now = Instant::now();
         let mut finished = Vec::new();
         for (row, &(i, _)) in plan.iter().enumerate() {
             let seq = &mut self.running[i];
-            if seq.computed() < seq.tokens.len() {
+            let Some((id, logprobs)) = picks[row].take() else {
                 continue; // mid-prefill
-            }
+            };
             if seq.generated() == 0 {
                 // The prompt is in the cache: offer its full blocks to later prompts now.
                 if let Some(c) = &seq.cache {
                     self.cache.register_prefix(c, &seq.tokens);
                 }
             }
-            let row = &logits[row * vocab..(row + 1) * vocab];
-            let history = &seq.tokens[seq.prompt_len..];
-            let id = seq.sampler.sample_after(row, history);
-            let logprobs = seq.params.logprobs.map(|k| {
-                let lp = log_softmax(row);
-                TokenLogprobs { logprob: lp[id as usize], top: top_n(&lp, k) }
-            });
             match seq.last_token {
                 None => self.metrics.observe_ttft(now.duration_since(seq.arrived).as_secs_f64()),
                 Some(t) => self.metrics.observe_itl(now.duration_since(t).as_secs_f64()),

@@ -231,6 +231,24 @@ async fn stop_strings_seeds_logprobs_and_prefix_cache() {
         differs |= c["choices"][0]["text"] != a["choices"][0]["text"];
     }
     assert!(differs, "different seeds give different samples");
+    // Seeded requests served together (their tokens picked on several threads in one step) draw what each draws
+    // alone.
+    let mut solo = Vec::new();
+    for seed in 20..26 {
+        let (_, body) = post(&s.state, "/v1/completions", sampled(seed)).await;
+        solo.push(body["choices"][0]["text"].clone());
+    }
+    let tasks: Vec<_> = (20..26)
+        .map(|seed| {
+            let (state, body) = (s.state.clone(), sampled(seed));
+            tokio::spawn(async move { post(&state, "/v1/completions", body).await })
+        })
+        .collect();
+    for (want, t) in solo.iter().zip(tasks) {
+        let (status, body) = t.await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{body}");
+        assert_eq!(&body["choices"][0]["text"], want, "{body}");
+    }
     // Chat logprobs.
     let (status, lp) = post(
         &s.state,
