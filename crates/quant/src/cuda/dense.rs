@@ -180,6 +180,46 @@ mod gpu {
         }
     }
 
+    /// Adds the products of stretch `j` of the lane's loads (its vector `v` of each row) to the accumulators, for
+    /// the pass's `tb` tokens from `t0` (tokens past `n` re-read the last; their sums are never written): `sets` 1
+    /// (the plain GEMV: `wv[j * rows_at_once + q]` into `acc[q * tb + t]`) or 2 (gate and up: the up loads
+    /// `rows_at_once * unroll` further, into `acc[(rows_at_once + q) * tb + t]`). Each accumulator gets its products
+    /// in stretch order either way.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn stretch_products<N: Size>(
+        x: &Array<Vector<f32, N>>,
+        wv: &Array<Vector<u32, N>>,
+        acc: &mut Array<f32>,
+        v: usize,
+        j: usize,
+        t0: usize,
+        n: usize,
+        #[comptime] k4: usize,
+        #[comptime] rows_at_once: usize,
+        #[comptime] tb: usize,
+        #[comptime] unroll: usize,
+        #[comptime] sets: usize,
+    ) {
+        #[unroll]
+        for t in 0..tb {
+            let mut tok = t0 + t;
+            if tok >= n {
+                tok = n - 1;
+            }
+            let x0 = x[tok * k4 + 2 * v];
+            let x1 = x[tok * k4 + 2 * v + 1];
+            #[unroll]
+            for q in 0..rows_at_once {
+                #[unroll]
+                for set in 0..sets {
+                    let w = wv[set * comptime!(rows_at_once * unroll) + j * rows_at_once + q];
+                    acc[(set * rows_at_once + q) * tb + t] += bf16x8_dot::<N>(w, x0, x1);
+                }
+            }
+        }
+    }
+
     /// Adds the `ksplit` warps' partial sums of each of a block's row groups (warp `w` = group `w / ksplit`, part
     /// `w % ksplit`; `acc` already summed over the warp) in part order, through shared memory: afterwards lane 0
     /// of each group's part-0 warp holds the full sums in `acc`. Every thread of the block must call it.
@@ -255,19 +295,7 @@ mod gpu {
             for j in 0..unroll {
                 let v = ((i0 + j) * ksplit + ks) * 32 + lane;
                 if v < kv {
-                    #[unroll]
-                    for t in 0..tb {
-                        let mut tok = t0 + t;
-                        if tok >= n {
-                            tok = n - 1;
-                        }
-                        let x0 = x[tok * k4 + 2 * v];
-                        let x1 = x[tok * k4 + 2 * v + 1];
-                        #[unroll]
-                        for q in 0..rows_at_once {
-                            acc[q * tb + t] += bf16x8_dot::<N>(wv[j * rows_at_once + q], x0, x1);
-                        }
-                    }
+                    stretch_products::<N>(x, &wv, &mut acc, v, j, t0, n, k4, rows_at_once, tb, unroll, 1usize);
                 }
             }
         }
@@ -334,21 +362,7 @@ mod gpu {
             for j in 0..unroll {
                 let v = ((i0 + j) * ksplit + ks) * 32 + lane;
                 if v < kv {
-                    #[unroll]
-                    for t in 0..tb {
-                        let mut tok = t0 + t;
-                        if tok >= n {
-                            tok = n - 1;
-                        }
-                        let x0 = x[tok * k4 + 2 * v];
-                        let x1 = x[tok * k4 + 2 * v + 1];
-                        #[unroll]
-                        for q in 0..rows_at_once {
-                            acc[q * tb + t] += bf16x8_dot::<N>(wv[j * rows_at_once + q], x0, x1);
-                            acc[(rows_at_once + q) * tb + t] +=
-                                bf16x8_dot::<N>(wv[half + j * rows_at_once + q], x0, x1);
-                        }
-                    }
+                    stretch_products::<N>(x, &wv, &mut acc, v, j, t0, n, k4, rows_at_once, tb, unroll, 2usize);
                 }
             }
         }
