@@ -3,13 +3,13 @@
 
 Input: the CSV of `ncu --profile-from-start off --metrics gpu__time_duration.sum --csv --print-units base
 bench_decode ... --profile-steps N` (one row a launch; only the launches between cuProfilerStart/Stop, i.e. the N
-profiled steps of each batch, in batch order). Each kernel is replayed alone under ncu, so a row is that kernel's
+profiled steps; profile ONE batch a process: steps of different batches launch different kernels, so their rows
+cannot be told apart in the CSV). Each kernel is replayed alone under ncu, so a row is that kernel's
 own GPU time with no launch gap; the sum over a step is the GPU's busy time, and the step's wall time minus it is
 what launches, gaps and host waits cost.
 
-usage: python3 scripts/ncu_step_summary.py CSV --steps N [--batches 1,8] [--top K] [--json OUT]
-(--batches: the batches the run profiled, in order; each gets an equal share of the rows in launch order, so a
-batch's launches must not differ from step to step)
+usage: python3 scripts/ncu_step_summary.py CSV --steps N [--batch B] [--top K] [--json OUT]
+(--batch: the batch the run profiled, a label for the table and the JSON key)
 """
 import argparse
 import collections
@@ -28,11 +28,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("csv")
     ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--batches", default="1")
+    ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json")
     a = ap.parse_args()
-    batches = [int(b) for b in a.batches.split(",")]
+    batches = [a.batch]
     launches = []
     with open(a.csv, newline="", errors="replace") as f:
         lines = [l for l in f if l.startswith('"')]
@@ -43,8 +43,10 @@ def main():
         unit = row.get("Metric Unit", "ns")
         us = value / 1e3 if unit in ("ns", "nsecond") else value * 1e3 if unit in ("ms", "msecond") else value
         launches.append((kernel_name(row["Kernel Name"]), row.get("Grid Size", ""), row.get("Block Size", ""), us))
-    if not launches or len(launches) % len(batches):
-        raise SystemExit(f"{len(launches)} launches do not split evenly over batches {batches}")
+    if not launches:
+        raise SystemExit(f"{a.csv}: no gpu__time_duration.sum rows (was ncu run with --metrics gpu__time_duration.sum?)")
+    if len(launches) % a.steps:
+        raise SystemExit(f"{a.csv}: {len(launches)} launches do not split evenly over {a.steps} steps")
     per = len(launches) // len(batches)
     out = {}
     for i, batch in enumerate(batches):
