@@ -48,8 +48,8 @@ fn main() -> Result<(), Error> {
         let mut value = || args.next().ok_or_else(|| Error::from(format!("{a} needs a value")));
         match a.as_str() {
             "--json" => json = Some(value()?),
-            "--vocab" => vocab = value()?.parse()?,
-            "--reps" => reps = value()?.parse()?,
+            "--vocab" => vocab = value()?.parse().map_err(|e| format!("--vocab: {e}"))?,
+            "--reps" => reps = value()?.parse().map_err(|e| format!("--reps: {e}"))?,
             other => return Err(format!("unknown argument {other}").into()),
         }
     }
