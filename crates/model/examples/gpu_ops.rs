@@ -16,7 +16,7 @@ use std::time::Instant;
 use burn::backend::Cuda;
 use burn::backend::cuda::CudaDevice;
 use burn::tensor::backend::Backend;
-use burn::tensor::{FloatDType, Tensor, TensorData};
+use burn::tensor::{FloatDType, Int, Tensor, TensorData};
 use eyrie_model::linear::Linear;
 use eyrie_model::rms_norm::RmsNorm;
 use eyrie_model::rope::RotaryEmbedding;
@@ -266,8 +266,21 @@ fn main() -> Result<(), Error> {
         let (kv_t, cos_t, sin_t) = (t2(&kv, [n, width]), t2(&cos, [n, half]), t2(&sin, [n, half]));
         let w_t = Tensor::<B, 1>::from_data(TensorData::new(w.clone(), [r]), &device);
         let eps = 1e-6;
+        // The slots already on the device, as a decode step's layers pass them (the timing below uploads them).
+        let slots_t = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(slots.iter().map(|&s| s as i32).collect::<Vec<_>>(), [slots.len()]),
+            &device,
+        );
         let wrote = match eyrie_model::cuda_ops::mla_latent_write(
-            &pool, &kv_t, &w_t, eps, &cos_t, &sin_t, interleave, &slots,
+            &pool,
+            &kv_t,
+            &w_t,
+            eps,
+            &cos_t,
+            &sin_t,
+            interleave,
+            &slots,
+            Some(&slots_t),
         ) {
             Ok(()) => true,
             Err(e) => {
@@ -300,8 +313,17 @@ fn main() -> Result<(), Error> {
         let ok = wrote && untouched && e <= 1e-6;
         failed |= !ok;
         let us = time(&device, || {
-            let _ =
-                eyrie_model::cuda_ops::mla_latent_write(&pool, &kv_t, &w_t, eps, &cos_t, &sin_t, interleave, &slots);
+            let _ = eyrie_model::cuda_ops::mla_latent_write(
+                &pool,
+                &kv_t,
+                &w_t,
+                eps,
+                &cos_t,
+                &sin_t,
+                interleave,
+                &slots,
+                None,
+            );
         });
         println!(
             "| mla_latent_write (other rows untouched: {untouched}) | {n} rows of 512 + 64 into {pool_rows} | {e:.1e} | - | {us:.1} | - | {ok} |"
@@ -325,6 +347,8 @@ fn main() -> Result<(), Error> {
             let row_seq: Vec<u32> = (0..n).map(|i| (i % 3) as u32).collect();
             let row_len: Vec<u32> = (0..n).map(|i| (lens[i % 3] - i / 3) as u32).collect();
             let paged = PagedRows { row_seq, row_len, tables, max_blocks, block_size: block };
+            let packed: Vec<i32> = paged.packed().iter().map(|&v| v as i32).collect();
+            let paged_t = Tensor::<B, 1, Int>::from_data(TensorData::new(packed, [paged.packed_len()]), &device);
             let slots = 3 * max_blocks * block;
             let rand = |rng: &mut SplitMix64, len: usize, s: f32| -> Vec<f32> {
                 (0..len).map(|_| (rng.next_f32() - 0.5) * s).collect()
@@ -349,6 +373,7 @@ fn main() -> Result<(), Error> {
                     interleave,
                     &t2(&pool, [slots, width]),
                     &paged,
+                    Some(&paged_t),
                     scale,
                     dims,
                 )

@@ -73,14 +73,32 @@ impl<B: Backend> DecoderLayer<B> {
         layer: usize,
         spans: &[SeqSpan<'_>],
     ) -> Tensor<B, 2> {
-        let attn =
-            self.self_attn.forward_absorbed(self.input_layernorm.forward(x.clone()), rope, tables, cache, layer, spans);
+        let normed = self.input_layernorm.forward(x.clone());
+        let (h, ffn) = self.forward_cached_parts(x, normed, rope, tables, cache, layer, spans);
+        h + ffn
+    }
+
+    /// [`Self::forward_cached`] from the layer input `x` and its `input_layernorm` output `normed`, returning the
+    /// two terms of the output `(h, ffn)` (the output is `h + ffn`) unsummed, so the caller can fuse the sum into
+    /// the next norm ([`RmsNorm::forward_add`]: one launch fewer a layer on CUDA, the same f32 sum).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_cached_parts(
+        &self,
+        x: Tensor<B, 2>,
+        normed: Tensor<B, 2>,
+        rope: &RotaryEmbedding,
+        tables: &RopeTables<B>,
+        cache: &mut PagedMlaCache<B>,
+        layer: usize,
+        spans: &[SeqSpan<'_>],
+    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        let attn = self.self_attn.forward_absorbed(normed, rope, tables, cache, layer, spans);
         let (h, normed) = self.post_attention_layernorm.forward_add(x, attn);
         let ffn = match &self.mlp {
             FeedForward::Dense(mlp) => mlp.forward(normed),
             FeedForward::Moe(moe) => moe.forward(normed),
         };
-        h + ffn
+        (h, ffn)
     }
 }
 
@@ -310,32 +328,45 @@ impl<B: Backend> DeepseekV3<B> {
         let tables = batch_rope_tables(&self.rope, &spans, device);
         // captured[i] = the state at capture id i (input of layer i, or the final normed state at i = L).
         let mut captured: Vec<Option<Tensor<B, 2>>> = vec![None; if capture.is_empty() { 0 } else { num_layers + 1 }];
-        // [N, d]
+        // [N, d]: the residual stream is carried as two terms `x + ffn` (the previous layer's `(h, ffn)`), whose
+        // sum each layer's input norm computes in the same launch (`forward_add`).
         let mut x = self.embed_tokens.clone().select(0, ids.reshape([n]));
+        let mut ffn: Option<Tensor<B, 2>> = None;
         for (i, layer) in self.layers.iter().enumerate() {
+            let (input, normed) = match ffn.take() {
+                Some(f) => layer.input_layernorm.forward_add(x, f),
+                None => (x.clone(), layer.input_layernorm.forward(x)),
+            };
             if capture.contains(&i) {
-                captured[i] = Some(x.clone());
+                captured[i] = Some(input.clone());
             }
-            x = layer.forward_cached(x, &self.rope, &tables, cache, i, &spans);
+            let (h, f) = layer.forward_cached_parts(input, normed, &self.rope, &tables, cache, i, &spans);
+            (x, ffn) = (h, Some(f));
         }
         debug_assert_eq!(x.dims(), [n, d]);
-        let normed = match rows {
-            LogitRows::All => {
-                let normed = self.norm.forward(x);
-                if capture.contains(&num_layers) {
-                    captured[num_layers] = Some(normed.clone());
-                }
-                normed
+        // Decode steps (one new token a sequence, rows in batch order): the last rows are all the rows.
+        let last_is_all = spans.iter().enumerate().all(|(i, s)| s.len == 1 && s.row == i);
+        let normed = if rows == LogitRows::All || last_is_all {
+            let normed = match ffn {
+                Some(f) => self.norm.forward_add(x, f).1,
+                None => self.norm.forward(x),
+            };
+            if capture.contains(&num_layers) {
+                captured[num_layers] = Some(normed.clone());
             }
+            normed
+        } else {
             // [N, d] -> [batch, d]
-            LogitRows::Last => {
-                if capture.contains(&num_layers) {
-                    // Every row's final normed state; the logits below still norm only the selected rows.
-                    captured[num_layers] = Some(self.norm.forward(x.clone()));
-                }
-                let last: Vec<i64> = spans.iter().map(|s| (s.row + s.len - 1) as i64).collect();
-                self.norm.forward(x.select(0, Tensor::from_data(TensorData::new(last, [spans.len()]), device)))
+            let x = match ffn {
+                Some(f) => x + f,
+                None => x,
+            };
+            if capture.contains(&num_layers) {
+                // Every row's final normed state; the logits below still norm only the selected rows.
+                captured[num_layers] = Some(self.norm.forward(x.clone()));
             }
+            let last: Vec<i64> = spans.iter().map(|s| (s.row + s.len - 1) as i64).collect();
+            self.norm.forward(x.select(0, Tensor::from_data(TensorData::new(last, [spans.len()]), device)))
         };
         for e in batch.iter_mut() {
             e.seq.len += e.tokens.len();

@@ -216,19 +216,21 @@ impl<B: Backend> FusedExperts<B> {
 impl<B: Backend> FusedExperts<B> {
     /// The routed experts on `x` `[n, d]` with the routing chosen on the device from the gate's `logits` `[n, E]`
     /// (`router`: these experts' router): `[n, d]`, each row the weighted sum of its experts' outputs, without a
-    /// host read. `None` where the kernels cannot take it (not CUDA, not f32, more than [`KERNEL_MAX_PAIRS`]
-    /// pairs, the host router forced): the caller routes on the host.
+    /// host read, plus `plus` (`[n, d]` f32) when given, added by the combine launch. `None` where the kernels
+    /// cannot take it (not CUDA, not f32, more than [`KERNEL_MAX_PAIRS`] pairs, the host router forced): the
+    /// caller routes on the host.
     pub fn run_routed_on_device(
         &self,
         x: Tensor<B, 2>,
         logits: Tensor<B, 2>,
         router: &DeviceRouter<B>,
+        plus: Option<&Tensor<B, 2>>,
     ) -> Option<Tensor<B, 2>> {
         #[cfg(feature = "cuda")]
         if !host_router() {
-            return kernel::run_routed(self, x, logits, router);
+            return kernel::run_routed(self, x, logits, router, plus);
         }
-        let _ = (x, logits, router);
+        let _ = (x, logits, router, plus);
         None
     }
 }
@@ -281,7 +283,7 @@ mod kernel {
     use burn::tensor::backend::Backend;
     use burn::tensor::{DType, Int, Shape, Tensor, TensorData};
     use eyrie_quant::cuda::router::route_on_device;
-    use eyrie_quant::cuda::{GpuExperts, GpuRouting, Routing, moe_forward};
+    use eyrie_quant::cuda::{GpuExperts, GpuRouting, Routing, moe_forward, moe_forward_add};
 
     use super::{DeviceRouter, FusedExperts, KERNEL_MAX_PAIRS};
     use crate::cuda_ops::{Cube, back, float, int};
@@ -305,6 +307,7 @@ mod kernel {
         x: Tensor<B, 2>,
         logits: Tensor<B, 2>,
         router: &DeviceRouter<B>,
+        plus: Option<&Tensor<B, 2>>,
     ) -> Option<Tensor<B, 2>> {
         let [n, d] = x.dims();
         let spec = &router.spec;
@@ -313,18 +316,27 @@ mod kernel {
             || n * spec.top_k > KERNEL_MAX_PAIRS
             || spec.experts != f.shape.experts
             || logits.dims() != [n, spec.experts]
+            || plus.is_some_and(|p| p.dims() != [n, d])
         {
             return None;
         }
         let (xc, lc, bc) = (float(x)?, float(logits)?, float(router.bias.clone())?);
-        if [xc.dtype, lc.dtype, bc.dtype].iter().any(|t| *t != DType::F32) {
+        let pc = match plus {
+            Some(p) => Some(float(p.clone())?),
+            None => None,
+        };
+        let dtypes = [Some(xc.dtype), Some(lc.dtype), Some(bc.dtype), pc.as_ref().map(|p| p.dtype)];
+        if dtypes.iter().flatten().any(|t| *t != DType::F32) {
             return None;
         }
         let client = xc.client.clone();
         let experts = gpu_experts(f)?;
         let routing = route_on_device(&client, spec, &lc.handle, &bc.handle, n).ok()?;
         let out = client.empty(n * d * 4);
-        moe_forward::<_, f32>(&client, &experts, &xc.handle, &routing, &out);
+        match &pc {
+            Some(p) => moe_forward_add::<_, f32>(&client, &experts, &xc.handle, &routing, &p.handle, &out),
+            None => moe_forward::<_, f32>(&client, &experts, &xc.handle, &routing, &out),
+        }
         back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, d]), out, DType::F32))
     }
 

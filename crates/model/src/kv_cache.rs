@@ -47,6 +47,23 @@ pub struct PagedMlaCache<B: Backend> {
     spare: Tensor<B, 2>,
     block_size: usize,
     blocks: BlockPool,
+    /// The current step's attention rows and new-token slots on the device (CUDA only): uploaded by the step's
+    /// first layer, reused by the others.
+    step: Option<StepMeta<B>>,
+}
+
+/// A step's attention rows ([`PagedMlaCache::paged_rows`]) and its new tokens' pool rows
+/// ([`PagedMlaCache::span_slots`]), each also on the device: every layer of a step reads the same ones, so they
+/// are uploaded once a step instead of twice a layer (each upload is a task of its own on CubeCL's server thread).
+/// A cached entry is reused only when both are equal to the ones being asked for, so it can never be stale.
+#[derive(Debug, Clone)]
+pub(crate) struct StepMeta<B: Backend> {
+    pub(crate) rows: eyrie_quant::cuda::attention::PagedRows,
+    pub(crate) slots: Vec<u32>,
+    /// `rows.packed()` as i32 bits.
+    pub(crate) rows_dev: Tensor<B, 1, Int>,
+    /// `slots` as i32 bits.
+    pub(crate) slots_dev: Tensor<B, 1, Int>,
 }
 
 impl<B: Backend> PagedMlaCache<B> {
@@ -70,7 +87,7 @@ impl<B: Backend> PagedMlaCache<B> {
             })
             .collect();
         let spare = Tensor::zeros([1, width], device);
-        Ok(Self { pools, spare, block_size, blocks: BlockPool::new(num_blocks, block_size) })
+        Ok(Self { pools, spare, block_size, blocks: BlockPool::new(num_blocks, block_size), step: None })
     }
 
     /// Tokens per block.
@@ -208,6 +225,27 @@ impl<B: Backend> PagedMlaCache<B> {
         eyrie_quant::cuda::attention::PagedRows { row_seq, row_len, tables, max_blocks, block_size: self.block_size }
     }
 
+    /// The step's [`StepMeta`] for `spans` covering `rows` new rows, uploaded only when it differs from the last
+    /// one asked for; `None` when the spans do not cover every row exactly once.
+    pub(crate) fn step_meta(&mut self, spans: &[SeqSpan<'_>], rows: usize) -> Option<StepMeta<B>> {
+        let paged = self.paged_rows(spans);
+        let slots = self.span_slots(spans, rows)?;
+        if let Some(step) = &self.step
+            && step.slots == slots
+            && step.rows == paged
+        {
+            return Some(step.clone());
+        }
+        let device = self.spare.device();
+        let upload = |v: &[u32]| {
+            let bits: Vec<i32> = v.iter().map(|&x| x as i32).collect();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(bits, [v.len()]), &device)
+        };
+        let step = StepMeta { rows_dev: upload(&paged.packed()), slots_dev: upload(&slots), rows: paged, slots };
+        self.step = Some(step.clone());
+        Some(step)
+    }
+
     /// Writes the new latents `[N, r + rope]` of every span (rows `span.row..span.row + span.len`) into layer
     /// `layer`: on CUDA one in-place scatter launch for all of them, elsewhere [`Self::write`] per span.
     pub fn write_spans(&mut self, layer: usize, spans: &[SeqSpan<'_>], latents: Tensor<B, 2>) {
@@ -249,24 +287,48 @@ impl<B: Backend> PagedMlaCache<B> {
         rope: &RotaryEmbedding,
         tables: &RopeTables<B>,
     ) {
+        self.write_new_latents_with(layer, spans, kv_a, norm, rope, tables, None);
+    }
+
+    /// [`Self::write_new_latents`] with the step's slots already on the device (`step`, from [`Self::step_meta`]).
+    #[allow(clippy::too_many_arguments)]
+    fn write_new_latents_with(
+        &mut self,
+        layer: usize,
+        spans: &[SeqSpan<'_>],
+        kv_a: Tensor<B, 2>,
+        norm: &crate::rms_norm::RmsNorm<B>,
+        rope: &RotaryEmbedding,
+        tables: &RopeTables<B>,
+        step: Option<&StepMeta<B>>,
+    ) {
         let width = kv_a.dims()[1];
         let r = norm.weight.dims()[0];
         #[cfg(feature = "cuda")]
-        if let Some(slots) = self.span_slots(spans, kv_a.dims()[0])
-            && crate::cuda_ops::mla_latent_write(
-                &self.pools[layer],
-                &kv_a,
-                &norm.weight,
-                norm.eps,
-                &tables.cos,
-                &tables.sin,
-                rope.interleave,
-                &slots,
-            )
-            .is_ok()
         {
-            return;
+            let slots = match step {
+                Some(step) => Some((step.slots.clone(), Some(&step.slots_dev))),
+                None => self.span_slots(spans, kv_a.dims()[0]).map(|s| (s, None)),
+            };
+            if let Some((slots, slots_dev)) = slots
+                && crate::cuda_ops::mla_latent_write(
+                    &self.pools[layer],
+                    &kv_a,
+                    &norm.weight,
+                    norm.eps,
+                    &tables.cos,
+                    &tables.sin,
+                    rope.interleave,
+                    &slots,
+                    slots_dev,
+                )
+                .is_ok()
+            {
+                return;
+            }
         }
+        #[cfg(not(feature = "cuda"))]
+        let _ = step;
         let c_kv = norm.forward(kv_a.clone().narrow(1, 0, r));
         let k_pe = rope.apply_rows(kv_a, r, width - r, 1, tables);
         self.write_spans(layer, spans, Tensor::cat(vec![c_kv, k_pe], 1));
@@ -320,10 +382,20 @@ impl<B: Backend> Mla<B> {
 
         // New latents: normalized c_kv and post-RoPE k_pe, [N, r + rot], into the cache.
         let kv_a = self.kv_a_proj_with_mqa.forward(x);
-        cache.write_new_latents(layer, spans, kv_a, &self.kv_a_layernorm, rope, tables);
+        // On CUDA the step's rows and slots go to the device once a step (the first layer's call uploads them).
+        #[cfg(feature = "cuda")]
+        let step = if crate::cuda_ops::is_cuda::<B>() { cache.step_meta(spans, n) } else { None };
+        #[cfg(not(feature = "cuda"))]
+        let step: Option<StepMeta<B>> = None;
+        cache.write_new_latents_with(layer, spans, kv_a, &self.kv_a_layernorm, rope, tables, step.as_ref());
 
         // On CUDA: absorption, RoPE, attention and the value absorption in three launches, f32-exact with the BF16
         // kv_b_proj (no cast of it, no TF32 matmul).
+        #[cfg(feature = "cuda")]
+        let paged = match &step {
+            Some(step) => step.rows.clone(),
+            None => cache.paged_rows(spans),
+        };
         #[cfg(feature = "cuda")]
         if let Some(o) = crate::cuda_ops::mla_absorbed(
             &q_rows,
@@ -332,7 +404,8 @@ impl<B: Backend> Mla<B> {
             &tables.sin,
             rope.interleave,
             &cache.pools[layer],
-            &cache.paged_rows(spans),
+            &paged,
+            step.as_ref().map(|s| &s.rows_dev),
             self.softmax_scale,
             crate::cuda_ops::MlaDims { heads: h, nope, rot, vd, r },
         ) {
@@ -512,6 +585,7 @@ mod tests {
         let cache = PagedMlaCache::<Flex> {
             pools: vec![Tensor::from_data(TensorData::new(pool.clone(), [num_blocks * bs, width]), &dev)],
             spare: Tensor::zeros([1, width], &dev),
+            step: None,
             block_size: bs,
             blocks: BlockPool::new(num_blocks, bs),
         };

@@ -139,14 +139,15 @@ impl<B: Backend> Moe<B> {
     }
 
     /// The routed experts on every row of `x` `[n, d]` with the routing chosen and grouped on the device (no host
-    /// read: the queue is not drained), or `None` where that path cannot run (no device router, too many pairs,
-    /// the host router forced); the shared expert is not included.
-    pub fn routed_on_device(&self, x: Tensor<B, 2>) -> Option<Tensor<B, 2>> {
+    /// read: the queue is not drained), plus `plus` (`[n, d]`, e.g. the shared expert's output, added by the
+    /// experts' combine launch: the same f32 sum), or `None` where that path cannot run (no device router, too many
+    /// pairs, the host router forced). The shared expert is not included unless passed as `plus`.
+    pub fn routed_on_device(&self, x: Tensor<B, 2>, plus: Option<&Tensor<B, 2>>) -> Option<Tensor<B, 2>> {
         let (fused, router) = (self.fused.as_ref()?, self.device_router.as_ref()?);
         if x.dims()[0] * self.params.top_k > KERNEL_MAX_PAIRS || crate::fused_moe::host_router() {
             return None;
         }
-        fused.run_routed_on_device(x.clone(), self.gate.forward(x), router)
+        fused.run_routed_on_device(x.clone(), self.gate.forward(x), router, plus)
     }
 
     /// The routed experts on rows of `x` `[n, d]`: `slots` are `(row, expert, weight)`, `expert` an index into
@@ -161,14 +162,15 @@ impl<B: Backend> Moe<B> {
 
     /// `[n, d] -> [n, d]`.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        if let Some(routed) = self.routed_on_device(x.clone()) {
-            return routed + self.shared_experts.forward(x);
+        let shared = self.shared_experts.forward(x.clone());
+        if let Some(out) = self.routed_on_device(x.clone(), Some(&shared)) {
+            return out;
         }
         let routing = self.routing(x.clone());
         let k = self.params.top_k;
         let slots: Vec<(usize, usize, f32)> =
             routing.experts.iter().zip(&routing.weights).enumerate().map(|(s, (&e, &w))| (s / k, e, w)).collect();
-        self.routed(x.clone(), &slots, k) + self.shared_experts.forward(x)
+        self.routed(x, &slots, k) + shared
     }
 }
 

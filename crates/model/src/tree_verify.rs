@@ -105,27 +105,29 @@ impl<B: Backend> DeepseekV3<B> {
         };
         let mut captured: Vec<Option<Tensor<B, 2>>> = vec![None; num_layers + 1];
         // [N, d]
+        // The residual stream as two terms `x + ffn`, summed by the next norm's launch (`forward_add`).
         let mut x = self.embed_tokens.clone().select(0, ids.reshape([n]));
+        let mut ffn: Option<Tensor<B, 2>> = None;
         for (i, layer) in self.layers.iter().enumerate() {
+            let (input, normed) = match ffn.take() {
+                Some(f) => layer.input_layernorm.forward_add(x, f),
+                None => (x.clone(), layer.input_layernorm.forward(x)),
+            };
             if capture.contains(&i) {
-                captured[i] = Some(x.clone());
+                captured[i] = Some(input.clone());
             }
-            let attn = layer.self_attn.forward_tree(
-                layer.input_layernorm.forward(x.clone()),
-                &self.rope,
-                &tables,
-                cache,
-                i,
-                &spans,
-            );
-            let (h, normed) = layer.post_attention_layernorm.forward_add(x, attn);
-            let ffn = match &layer.mlp {
+            let attn = layer.self_attn.forward_tree(normed, &self.rope, &tables, cache, i, &spans);
+            let (h, normed) = layer.post_attention_layernorm.forward_add(input, attn);
+            let f = match &layer.mlp {
                 FeedForward::Dense(mlp) => mlp.forward(normed),
                 FeedForward::Moe(moe) => moe.forward(normed),
             };
-            x = h + ffn;
+            (x, ffn) = (h, Some(f));
         }
-        let normed = self.norm.forward(x);
+        let normed = match ffn {
+            Some(f) => self.norm.forward_add(x, f).1,
+            None => self.norm.forward(x),
+        };
         if capture.contains(&num_layers) {
             captured[num_layers] = Some(normed.clone());
         }

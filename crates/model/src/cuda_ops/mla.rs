@@ -5,14 +5,24 @@ use std::any::Any;
 
 use burn::cubecl;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Shape, Tensor};
+use burn::tensor::{DType, Int, Shape, Tensor};
 use cubecl::prelude::*;
 
 use eyrie_quant::cuda::mla::{
     LATENT_WARPS, mla_latent_kernel, mla_output_kernel, mla_query_kernel, output_launch, query_launch,
 };
 
-use super::{Cube, back, float, is_cuda};
+use super::{Cube, back, float, int, is_cuda};
+
+/// The buffer of `t`, a device copy of `host` (u32 values as i32 bits) made earlier: used only when it is a CUDA
+/// int tensor of 4-byte elements and `host.len()` elements; `None` otherwise (the caller uploads `host` itself).
+fn uploaded<B: Backend>(t: Option<&Tensor<B, 1, Int>>, host_len: usize) -> Option<cubecl::server::Handle> {
+    let t = t?;
+    if t.dims()[0] != host_len || !matches!(t.dtype(), DType::I32 | DType::U32) {
+        return None;
+    }
+    Some(int(t.clone())?.handle)
+}
 
 /// Absorbed MLA attention over layer `pool` `[slots, r + rot]` of the paged latent cache through eyrie-quant's
 /// attention kernel: `q_lat` `[H, N, r]` and `q_pe` `[H, N, rot]` of the step's `N` query rows, which read the
@@ -115,7 +125,8 @@ pub struct MlaDims {
 /// (absorption of `q_nope` and RoPE of `q_pe`, f32-exact with the BF16 `kv_b_proj`), eyrie-quant's attention
 /// kernel over the paged cache, [`mla_output_kernel`]. `q` `[N, H (nope + rot)]` f32, `kv_b` `[H (nope + vd), r]`
 /// BF16, `cos`/`sin` `[N, rot / 2]`, `pool` `[slots, r + rot]` -> `[N, H vd]`; `None` (the caller runs its burn
-/// ops) when not CUDA, other dtypes, or shapes the kernels do not take.
+/// ops) when not CUDA, other dtypes, or shapes the kernels do not take. `rows_dev`: `rows.packed()` already on
+/// the device (a step's layers share it), uploaded here when `None` or not of that length.
 #[allow(clippy::too_many_arguments)]
 pub fn mla_absorbed<B: Backend>(
     q: &Tensor<B, 2>,
@@ -125,6 +136,7 @@ pub fn mla_absorbed<B: Backend>(
     interleave: bool,
     pool: &Tensor<B, 2>,
     rows: &eyrie_quant::cuda::attention::PagedRows,
+    rows_dev: Option<&Tensor<B, 1, Int>>,
     scale: f64,
     dims: MlaDims,
 ) -> Option<Tensor<B, 2>> {
@@ -162,9 +174,12 @@ pub fn mla_absorbed<B: Backend>(
     let client = qc.client.clone();
     type Cu = cubecl::cuda::CudaRuntime;
 
-    // 1. Queries [N, H, r + rot].
+    // The queries [N, H, r + rot], the attention's output [N, H, r] and the result [N, H vd], reserved together.
+    let [query, o_lat, out] =
+        eyrie_quant::cuda::gpu::scratch(&client, [n * heads * (r + rot) * 4, n * heads * r * 4, n * heads * vd * 4]);
+
+    // 1. Queries.
     let (tb, groups) = query_launch(n, nope);
-    let query = client.empty(n * heads * (r + rot) * 4);
     // SAFETY: shapes checked above (all contiguous); block (h, token tile) reads q rows < n, kv_b rows of head h
     // (4-byte words `(row * r / 4 + c) * 2 .. + 2`, c < r / 4), table rows < n, and writes out rows < n.
     unsafe {
@@ -197,13 +212,14 @@ pub fn mla_absorbed<B: Backend>(
     let smem = props.hardware.max_shared_memory_size;
     let max_len = rows.row_len.iter().copied().max().unwrap_or(0) as usize;
     let cfg = AttentionConfig::new(n, heads, max_len, width, sms, smem)?;
-    let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
-    let o_lat = client.empty(n * heads * r * 4);
+    let meta = match uploaded(rows_dev, rows.packed_len()) {
+        Some(meta) => meta,
+        None => client.create_from_slice(u32::as_bytes(&rows.packed())),
+    };
     mla_attention(&client, &query, &pc.handle, slots, rows, &meta, &o_lat, heads, r, rot, scale as f32, cfg).ok()?;
 
     // 3. Output [N, H vd].
     let (tb, ra, warps) = output_launch(n, vd);
-    let out = client.empty(n * heads * vd * 4);
     // SAFETY: o_lat holds [n, heads, r] (r % 8 == 0: whole 16-byte vectors), kv_b [heads (nope + vd), r]; the grid
     // covers heads * vd columns exactly (vd % (warps * ra) == 0), token indices are clamped and written only < n.
     unsafe {
@@ -231,7 +247,7 @@ pub fn mla_absorbed<B: Backend>(
 
 /// Writes the step's new latents into `pool` `[P, r + rot]` in place with [`mla_latent_kernel`] from the
 /// `kv_a_proj_with_mqa` output `kv` `[N, r + rot]`, the `kv_a_layernorm` weight `[r]` and eps, the RoPE tables
-/// `[N, rot / 2]` and each row's pool row `slots`.
+/// `[N, rot / 2]` and each row's pool row `slots` (`slots_dev`: the same already on the device, or `None`).
 ///
 /// # Errors
 /// Nothing is written (the caller runs its burn ops) when not CUDA, other dtypes or shapes, `pool`'s columns not
@@ -246,6 +262,7 @@ pub fn mla_latent_write<B: Backend>(
     sin: &Tensor<B, 2>,
     interleave: bool,
     slots: &[u32],
+    slots_dev: Option<&Tensor<B, 1, Int>>,
 ) -> Result<(), String> {
     let [n, width] = kv.dims();
     let [pool_rows, pool_width] = pool.dims();
@@ -286,7 +303,10 @@ pub fn mla_latent_write<B: Backend>(
         return Err("an input is not a CubeCL tensor".into());
     };
     let client = pc.client.clone();
-    let slots_dev = client.create_from_slice(u32::as_bytes(slots));
+    let slots_dev = match uploaded(slots_dev, n) {
+        Some(handle) => handle,
+        None => client.create_from_slice(u32::as_bytes(slots)),
+    };
     // SAFETY: shapes checked above (`kv`, tables, weight contiguous; pool rows `row_stride >= width` apart inside its
     // buffer); block `row < n` reads row `row` of `kv` and the tables, `weight` indices `< r`, and writes pool row
     // `slots[row] < pool_rows` (checked) at columns `< width`.

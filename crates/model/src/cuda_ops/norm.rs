@@ -51,11 +51,17 @@ fn rms_norm_launch<B: Backend>(
         None => None,
     };
     let client = xc.client.clone();
-    let out = client.empty(n * width * 4);
-    // Without a residual, `res` and `sum` are never touched: `x`'s and `out`'s buffers stand in for them.
-    let (res_h, sum) = match &rc {
-        Some(r) => (r.handle.clone(), client.empty(n * width * 4)),
-        None => (xc.handle.clone(), out.clone()),
+    // Without a residual, `res` and `sum` are never touched: `x`'s and `out`'s buffers stand in for them. With
+    // one, the sum and the normed rows are reserved together.
+    let (res_h, sum, out) = match &rc {
+        Some(r) => {
+            let [sum, out] = eyrie_quant::cuda::gpu::scratch(&client, [n * width * 4, n * width * 4]);
+            (r.handle.clone(), sum, out)
+        }
+        None => {
+            let out = client.empty(n * width * 4);
+            (xc.handle.clone(), out.clone(), out)
+        }
     };
     let warps = RMS_NORM_WARPS;
     // SAFETY: `x`, `res`, `sum` and `out` hold `n * width` f32 and `weight` `width` (checked above, contiguous); the

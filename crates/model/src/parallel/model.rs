@@ -172,12 +172,14 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         // [b*s] -> [n, d]
         let mut x = self.embed_tokens.clone().select(0, tokens.reshape([n]));
         let tables = self.rope.tables::<B>(0, s, &device);
+        let mut ffn = None;
         for layer in &self.layers {
-            x = self.layer_step(layer, x, comm, |normed| {
+            let (h, f) = self.layer_step(layer, x, ffn, comm, |normed| {
                 layer.self_attn.forward(normed.reshape([b, s, d]), &self.rope, &tables).reshape([n, d])
             })?;
+            (x, ffn) = (h, Some(f));
         }
-        let logits = self.logits(x, comm)?;
+        let logits = self.logits(x, ffn, comm)?;
         Ok(logits.reshape([b, s, self.config.vocab_size]))
     }
 
@@ -212,20 +214,27 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         // [N, d]
         let mut x =
             self.embed_tokens.clone().select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [n]), device));
+        // The residual stream travels as the two terms `x + ffn` of the previous layer (see `layer_step`).
+        let mut ffn = None;
         for (i, layer) in self.layers.iter().enumerate() {
             let cache = &mut *cache;
-            x = self.layer_step(layer, x, comm, |normed| {
+            let (h, f) = self.layer_step(layer, x, ffn, comm, |normed| {
                 layer.self_attn.forward_absorbed(normed, &self.rope, &tables, cache, i, &spans)
             })?;
+            (x, ffn) = (h, Some(f));
         }
-        let x = match rows {
-            LogitRows::All => x,
-            LogitRows::Last => {
-                let last: Vec<i64> = spans.iter().map(|s| (s.row + s.len - 1) as i64).collect();
-                x.select(0, Tensor::from_data(TensorData::new(last, [spans.len()]), device))
-            }
+        // Decode steps (one new token a sequence, rows in batch order): the last rows are all the rows.
+        let last_is_all = spans.iter().enumerate().all(|(i, s)| s.len == 1 && s.row == i);
+        let logits = if rows == LogitRows::All || last_is_all {
+            self.logits(x, ffn, comm)?
+        } else {
+            let x = match ffn {
+                Some(f) => x + f,
+                None => x,
+            };
+            let last: Vec<i64> = spans.iter().map(|s| (s.row + s.len - 1) as i64).collect();
+            self.logits(x.select(0, Tensor::from_data(TensorData::new(last, [spans.len()]), device)), None, comm)?
         };
-        let logits = self.logits(x, comm)?;
         for e in batch.iter_mut() {
             e.seq.len += e.tokens.len();
         }
@@ -247,20 +256,27 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         Ok(())
     }
 
-    /// One decoder layer on `x` `[n, d]`: `attention` maps the normed rows to this rank's partial attention
-    /// output `[n, d]` (full-form or cached); the partial sums are all-reduced.
+    /// One decoder layer on the input `x + ffn` (`[n, d]`; `ffn` the previous layer's second term, `None` for
+    /// the first layer): `attention` maps the normed rows to this rank's partial attention output `[n, d]`
+    /// (full-form or cached); the partial sums are all-reduced. Returns the output's two terms `(h, ffn)`,
+    /// unsummed: the next layer's input norm adds them in its own launch ([`RmsNorm::forward_add`]).
     fn layer_step(
         &self,
         layer: &ShardedLayer<B>,
         x: Tensor<B, 2>,
+        ffn: Option<Tensor<B, 2>>,
         comm: &impl Communicator<B>,
         attention: impl FnOnce(Tensor<B, 2>) -> Tensor<B, 2>,
-    ) -> Result<Tensor<B, 2>> {
+    ) -> Result<(Tensor<B, 2>, Tensor<B, 2>)> {
         let [n, d] = x.dims();
         let device = x.device();
+        let (x, normed) = match ffn {
+            Some(f) => layer.input_layernorm.forward_add(x, f),
+            None => (x.clone(), layer.input_layernorm.forward(x)),
+        };
         // [n, d] partial over this rank's heads. A rank without a tp shard of its own (tp < world) still runs
         // the attention when it caches (its cache must hold the latents), but adds zeros.
-        let mut attn = attention(layer.input_layernorm.forward(x.clone()));
+        let mut attn = attention(normed);
         if self.spec.tp > 1 && !self.spec.tp_contributes() {
             attn = Tensor::zeros([n, d], &device);
         }
@@ -279,12 +295,16 @@ impl<B: Backend> ShardedDeepseekV3<B> {
             }
             ShardedFeedForward::Moe(moe) => self.moe_forward(moe, normed, comm)?,
         };
-        Ok(h + ffn)
+        Ok((h, ffn))
     }
 
-    /// Final norm and `lm_head` of `x` `[m, d]` -> `[m, vocab]` (vocabulary slices gathered).
-    fn logits(&self, x: Tensor<B, 2>, comm: &impl Communicator<B>) -> Result<Tensor<B, 2>> {
-        let logits = self.lm_head.forward(self.norm.forward(x));
+    /// Final norm and `lm_head` of `x + ffn` `[m, d]` -> `[m, vocab]` (vocabulary slices gathered).
+    fn logits(&self, x: Tensor<B, 2>, ffn: Option<Tensor<B, 2>>, comm: &impl Communicator<B>) -> Result<Tensor<B, 2>> {
+        let normed = match ffn {
+            Some(f) => self.norm.forward_add(x, f).1,
+            None => self.norm.forward(x),
+        };
+        let logits = self.lm_head.forward(normed);
         if self.vocab_split { comm.all_gather(logits, 1) } else { Ok(logits) }
     }
 
@@ -299,13 +319,16 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         let spec = &self.spec;
         let [n, d] = x.dims();
         let moe = &sharded.moe;
+        // This rank's shared-expert slice, added by the routed experts' combine where they run on the device.
+        let mut shared = spec.tp_contributes().then(|| moe.shared_experts.forward(x.clone()));
         let mut out = if spec.ep > 1 && self.dispatch == ExpertDispatch::AllToAll {
             self.routed_all_to_all(sharded, x.clone(), comm)?
         } else if spec.ep_contributes()
             && sharded.first_expert == 0
-            && let Some(routed) = moe.routed_on_device(x.clone())
+            && let Some(routed) = moe.routed_on_device(x.clone(), shared.as_ref())
         {
             // This rank holds every expert (its device router is set only then): routed on the device.
+            shared = None;
             routed
         } else if spec.ep_contributes() {
             let routing = moe.routing(x.clone());
@@ -315,8 +338,8 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         } else {
             Tensor::zeros([n, d], &x.device())
         };
-        if spec.tp_contributes() {
-            out = out + moe.shared_experts.forward(x);
+        if let Some(shared) = shared {
+            out = out + shared;
         }
         if spec.world() > 1 { comm.all_reduce_sum(out) } else { Ok(out) }
     }

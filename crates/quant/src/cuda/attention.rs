@@ -721,12 +721,15 @@ mod gpu {
             }
         }
         let pairs = n * heads;
-        let (o_part, o_len) = if cfg.splits == 1 {
-            (out.clone(), pairs * r)
+        // Partial outputs (only with several slices) and each slice's running max and sum, reserved together.
+        let (o_part, o_len, ml_part) = if cfg.splits == 1 {
+            let [ml_part] = crate::cuda::gpu::scratch(client, [pairs * 2 * 4]);
+            (out.clone(), pairs * r, ml_part)
         } else {
-            (client.empty(cfg.splits * pairs * r * 4), cfg.splits * pairs * r)
+            let [o_part, ml_part] =
+                crate::cuda::gpu::scratch(client, [cfg.splits * pairs * r * 4, cfg.splits * pairs * 2 * 4]);
+            (o_part, cfg.splits * pairs * r, ml_part)
         };
-        let ml_part = client.empty(cfg.splits * pairs * 2 * 4);
         let count = CubeCount::Static(cfg.splits as u32, n as u32, heads.div_ceil(8 * cfg.warps) as u32);
         let address = AddressType::from_len((slots * d).max(o_len).max(n * heads * d));
         // SAFETY: sizes and page tables checked above (`validate`: every block a row reads is inside the cache);

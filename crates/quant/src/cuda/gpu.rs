@@ -299,6 +299,21 @@ impl GpuRouting {
     }
 }
 
+/// `N` device buffers of `bytes[i]` bytes each, reserved in one request to the CubeCL server. Every `client.empty`
+/// is a task of its own on the server thread's queue, which at batch 1 is what a decode step waits on (the GPU
+/// work of a launch is often shorter than the host's handling of it), so a launch's scratch buffers are reserved
+/// together. The buffers are one allocation (each starts on the runtime's 512-byte alignment): it is given back
+/// when the last of the handles drops, so keep outputs that outlive the launch out of it when they are large.
+pub fn scratch<R: Runtime, const N: usize>(client: &ComputeClient<R>, bytes: [usize; N]) -> [Handle; N] {
+    use cubecl::server::{MemoryLayoutDescriptor, MemoryLayoutStrategy};
+    let descriptors = bytes
+        .iter()
+        .map(|&b| MemoryLayoutDescriptor::new(MemoryLayoutStrategy::Contiguous, [b.max(4)].into(), 1))
+        .collect();
+    let mut layouts = client.empty_tensors(descriptors).into_iter().map(|layout| layout.memory);
+    std::array::from_fn(|_| layouts.next().expect("one layout per descriptor"))
+}
+
 /// Array argument over a whole buffer of `len` elements.
 ///
 /// # Safety
@@ -325,6 +340,21 @@ pub fn moe_forward<R: Runtime, A: Float>(
     moe_forward_with::<R, A>(client, experts, x, routing, out, &cfg, Stages::All);
 }
 
+/// [`moe_forward`] plus `addend` (`[m, hidden]` f32, e.g. the shared experts' output) added by the combine:
+/// `out = combine + addend`, the same f32 result as adding it afterwards, one launch fewer.
+pub fn moe_forward_add<R: Runtime, A: Float>(
+    client: &ComputeClient<R>,
+    experts: &GpuExperts<R>,
+    x: &Handle,
+    routing: &GpuRouting,
+    addend: &Handle,
+    out: &Handle,
+) {
+    let limit = client.properties().hardware.max_shared_memory_size;
+    let cfg = MoeConfig::for_tokens(routing.m).fit_shared_memory(&experts.shape, limit);
+    moe_forward_inner::<R, A>(client, experts, x, routing, out, &cfg, Stages::All, Some(addend));
+}
+
 /// [`moe_forward`] with an explicit launch shape, or only some of its launches (benchmarks).
 pub fn moe_forward_with<R: Runtime, A: Float>(
     client: &ComputeClient<R>,
@@ -335,21 +365,39 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
     cfg: &MoeConfig,
     stages: Stages,
 ) {
+    moe_forward_inner::<R, A>(client, experts, x, routing, out, cfg, stages, None);
+}
+
+#[allow(clippy::too_many_arguments)]
+fn moe_forward_inner<R: Runtime, A: Float>(
+    client: &ComputeClient<R>,
+    experts: &GpuExperts<R>,
+    x: &Handle,
+    routing: &GpuRouting,
+    out: &Handle,
+    cfg: &MoeConfig,
+    stages: Stages,
+    addend: Option<&Handle>,
+) {
     let s = experts.shape;
     let n_pairs = routing.m * routing.topk;
     if n_pairs == 0 {
         return;
     }
     assert!(matches!(cfg.rows_at_once_2, 2 | 4) && matches!(cfg.max_tb, 1 | 2 | 4) && cfg.warps > 0);
-    let h = client.empty(n_pairs * s.inter * 4);
-    let y = client.empty(n_pairs * s.hidden * 4);
     if let Some(mm) = cfg.mma
         && mma_fits(&s, routing.topk, &mm, cfg)
     {
-        mma_experts::<R, A>(client, experts, x, routing, (&h, &y), cfg, &mm, stages);
-        combine(client, &s, routing, &y, out, stages);
+        // The intermediate, the experts' outputs and the two BF16x3 splits (input, intermediate).
+        let [h, y, xs, hs] = scratch(
+            client,
+            [n_pairs * s.inter * 4, n_pairs * s.hidden * 4, routing.m * 3 * s.hidden * 2, n_pairs * 3 * s.inter * 2],
+        );
+        mma_experts::<R, A>(client, experts, x, routing, [&h, &y, &xs, &hs], cfg, &mm, stages);
+        combine(client, &s, routing, &y, out, stages, addend);
         return;
     }
+    let [h, y] = scratch(client, [n_pairs * s.inter * 4, n_pairs * s.hidden * 4]);
     // The comptime arguments of each launch come from `specs`, which also lists them for `cargo xtask kernels`.
     for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
         let grid = routing.grid[class];
@@ -431,7 +479,7 @@ pub fn moe_forward_with<R: Runtime, A: Float>(
             );
         }
     }
-    combine(client, &s, routing, &y, out, stages);
+    combine(client, &s, routing, &y, out, stages, addend);
 }
 
 /// Whether every launch of the tensor-core path takes `shape` under `mm`.
@@ -466,7 +514,7 @@ fn mma_experts<R: Runtime, A: Float>(
     experts: &GpuExperts<R>,
     x: &Handle,
     routing: &GpuRouting,
-    (h, y): (&Handle, &Handle),
+    [h, y, xs, hs]: [&Handle; 4],
     cfg: &MoeConfig,
     mm: &MmaShape,
     stages: Stages,
@@ -518,24 +566,22 @@ fn mma_experts<R: Runtime, A: Float>(
         }
     };
     if matches!(stages, Stages::All | Stages::GateUp) {
-        let xs = client.empty(routing.m * 3 * s.hidden * 2);
-        split_x3::<R, A>(client, x, &xs, routing.m, s.hidden);
+        split_x3::<R, A>(client, x, xs, routing.m, s.hidden);
         for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
             let spec = ExpertMmaSpec::gate_up(&s, routing.topk, mm, tb);
-            launch(spec, class, &xs, routing.m * 3 * s.hidden / 8, &experts.w13, &experts.s13, h, n_pairs * s.inter);
+            launch(spec, class, xs, routing.m * 3 * s.hidden / 8, &experts.w13, &experts.s13, h, n_pairs * s.inter);
         }
     }
     if matches!(stages, Stages::All | Stages::Down) {
-        let hs = client.empty(n_pairs * 3 * s.inter * 2);
-        split_x3::<R, f32>(client, h, &hs, n_pairs, s.inter);
+        split_x3::<R, f32>(client, h, hs, n_pairs, s.inter);
         for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
             let spec = ExpertMmaSpec::down(&s, routing.topk, mm, tb);
-            launch(spec, class, &hs, n_pairs * 3 * s.inter / 8, &experts.w2, &experts.s2, y, n_pairs * s.hidden);
+            launch(spec, class, hs, n_pairs * 3 * s.inter / 8, &experts.w2, &experts.s2, y, n_pairs * s.hidden);
         }
     }
 }
 
-/// The weighted combine of the experts' outputs `y` into `out`.
+/// The weighted combine of the experts' outputs `y` into `out`, plus `addend` (`[m, hidden]` f32) when given.
 fn combine<R: Runtime>(
     client: &ComputeClient<R>,
     s: &MoeShape,
@@ -543,11 +589,13 @@ fn combine<R: Runtime>(
     y: &Handle,
     out: &Handle,
     stages: Stages,
+    addend: Option<&Handle>,
 ) {
     let n_pairs = routing.m * routing.topk;
     if matches!(stages, Stages::All | Stages::Combine) {
         let total = routing.m * s.hidden;
-        // SAFETY: `y` is `[pairs, hidden]`, `weights` `[pairs]`, `out` `[m, hidden]`; one thread per output.
+        // SAFETY: `y` is `[pairs, hidden]`, `weights` `[pairs]`, `out` and `addend` (the caller's contract; `out`
+        // stands in, unread, without one) `[m, hidden]`; one thread per output.
         unsafe {
             combine_kernel::launch_unchecked::<R>(
                 client,
@@ -556,9 +604,11 @@ fn combine<R: Runtime>(
                 AddressType::from_len(n_pairs * s.hidden),
                 arg(y, n_pairs * s.hidden),
                 arg(&routing.weights, n_pairs),
+                arg(addend.unwrap_or(out), total),
                 arg(out, total),
                 s.hidden,
                 routing.topk,
+                addend.is_some(),
             );
         }
     }

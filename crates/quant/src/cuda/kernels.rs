@@ -286,14 +286,18 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
     }
 }
 
-/// `out[t, c] = sum_k weights[t, k] * y[t * topk + k, c]` (`y`: `[m * topk, hidden]`, `out`: `[m, hidden]`).
+/// `out[t, c] = sum_k weights[t, k] * y[t * topk + k, c]` (`y`: `[m * topk, hidden]`, `out`: `[m, hidden]`), plus
+/// `addend[t, c]` after the sum when `add` (the shared experts' output: the same f32 sum as adding it afterwards,
+/// one launch fewer); `addend` is not read otherwise.
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn combine_kernel(
     y: &Array<f32>,
     weights: &Array<f32>,
+    addend: &Array<f32>,
     out: &mut Array<f32>,
     #[comptime] hidden: usize,
     #[comptime] topk: usize,
+    #[comptime] add: bool,
 ) {
     let idx = ABSOLUTE_POS;
     if idx < out.len() {
@@ -304,6 +308,9 @@ pub fn combine_kernel(
         for k in 0..topk {
             let p = t * topk + k;
             sum += weights[p] * y[p * hidden + c];
+        }
+        if add {
+            sum += addend[idx];
         }
         out[idx] = sum;
     }

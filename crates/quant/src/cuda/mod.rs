@@ -42,5 +42,5 @@ pub use reference::{Dequant, Mismatch, moe_reference};
 #[cfg(feature = "cuda")]
 pub use gpu::{
     GpuExperts, GpuRouting, MmaShape, MoeConfig, RoutingReadback, Stages, copy_bandwidth, copy_f32, moe_forward,
-    moe_forward_with,
+    moe_forward_add, moe_forward_with,
 };

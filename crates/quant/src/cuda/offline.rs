@@ -207,13 +207,20 @@ fn define_split_x3(act_ty: Act, k: usize, props: &DeviceProperties) -> KernelDef
     b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
 }
 
-fn define_combine(hidden: usize, topk: usize, address: AddressType, props: &DeviceProperties) -> KernelDefinition {
+fn define_combine(
+    hidden: usize,
+    topk: usize,
+    add: bool,
+    address: AddressType,
+    props: &DeviceProperties,
+) -> KernelDefinition {
     let mut b = builder(props, address);
     let a = ARRAY;
     let y = <Array<f32> as LaunchArg>::expand(&a, &mut b);
     let weights = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let addend = <Array<f32> as LaunchArg>::expand(&a, &mut b);
     let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
-    combine_kernel::expand(&mut b.scope, y, weights, out, hidden, topk);
+    combine_kernel::expand(&mut b.scope, y, weights, addend, out, hidden, topk, add);
     b.build(
         KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name("combine_kernel"),
     )
@@ -562,7 +569,9 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::ExpertRows { act, spec } => (define_expert_rows(*act, spec, &props), spec.address),
         KernelSpec::ExpertMma { spec } => (define_expert_mma(spec, &props), spec.address),
         KernelSpec::SplitX3 { act, k } => (define_split_x3(*act, *k, &props), AddressType::U32),
-        KernelSpec::Combine { hidden, topk, address } => (define_combine(*hidden, *topk, *address, &props), *address),
+        KernelSpec::Combine { hidden, topk, add, address } => {
+            (define_combine(*hidden, *topk, *add, *address, &props), *address)
+        }
         KernelSpec::Copy => (define_copy(&props), AddressType::U32),
         KernelSpec::MlaAttention { r, rot, warps } => {
             (define_mla_attention(*r, *rot, *warps, &props), AddressType::U32)

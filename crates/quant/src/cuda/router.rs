@@ -161,8 +161,6 @@ mod gpu {
         let mut s = SharedMemory::<f32>::new(experts);
         let mut c = SharedMemory::<f32>::new(experts);
         let mut taken = SharedMemory::<u32>::new(experts);
-        let mut best_v = SharedMemory::<f32>::new(threads);
-        let mut best_i = SharedMemory::<u32>::new(threads);
         let mut chosen = SharedMemory::<u32>::new(top_k);
 
         #[unroll]
@@ -227,6 +225,15 @@ mod gpu {
             sync_cube();
         }
 
+        // Each round's argmax: a thread's best over its experts, the warp's by a butterfly of xor shuffles (every
+        // lane ends with it), then every thread takes the best of the warps' (written to a buffer that alternates
+        // by round, so one barrier a round suffices). `beats` is a total order (score, then lower index), so any
+        // reduction order picks the same expert as a sorted list.
+        let warps = comptime!(ROUTE_THREADS / 32);
+        let mut warp_v = SharedMemory::<f32>::new(2 * warps);
+        let mut warp_i = SharedMemory::<u32>::new(2 * warps);
+        let lane = tid % 32;
+        let warp = tid / 32;
         for r in 0..top_k {
             let mut bv = f32::new(-f32::MAX);
             let mut bi = invalid;
@@ -242,28 +249,37 @@ mod gpu {
                     }
                 }
             }
-            best_v[tid] = bv;
-            best_i[tid] = bi;
-            sync_cube();
             #[unroll]
-            for step in 0..comptime!(ROUTE_THREADS.trailing_zeros()) {
-                let h = comptime!(ROUTE_THREADS >> (step + 1));
-                if tid < h {
-                    let ov = best_v[tid + h];
-                    let oi = best_i[tid + h];
-                    if beats(ov, oi, best_v[tid], best_i[tid], invalid) {
-                        best_v[tid] = ov;
-                        best_i[tid] = oi;
-                    }
+            for step in 0..5u32 {
+                let ov = plane_shuffle_xor(bv, 16u32 >> step);
+                let oi = plane_shuffle_xor(bi, 16u32 >> step);
+                if beats(ov, oi, bv, bi, invalid) {
+                    bv = ov;
+                    bi = oi;
                 }
-                sync_cube();
+            }
+            let buf = (r % 2) * warps;
+            if lane == 0 {
+                warp_v[buf + warp] = bv;
+                warp_i[buf + warp] = bi;
+            }
+            sync_cube();
+            let mut wv = warp_v[buf];
+            let mut wi = warp_i[buf];
+            #[unroll]
+            for w in 1..warps {
+                if beats(warp_v[buf + w], warp_i[buf + w], wv, wi, invalid) {
+                    wv = warp_v[buf + w];
+                    wi = warp_i[buf + w];
+                }
+            }
+            // `taken[e]` is read and written only by the thread owning expert `e`.
+            if wi != invalid && (wi as usize) % threads == tid {
+                taken[wi as usize] = 1;
             }
             if tid == 0 {
-                let e = best_i[0];
-                chosen[r] = e;
-                taken[e as usize] = 1;
+                chosen[r] = wi;
             }
-            sync_cube();
         }
 
         if tid == 0 {
@@ -463,12 +479,9 @@ mod gpu {
         }
         let (e, k) = (spec.experts, spec.top_k);
         let pairs = m * k;
-        let ids = client.empty(pairs * 4);
-        let weights = client.empty(pairs * 4);
-        let experts = client.empty(e * 4);
-        let offsets = client.empty((e + 1) * 4);
-        let pair_ids = client.empty(pairs * 4);
-        let bounds = client.empty(4 * 4);
+        // One request to the server for all six (`crate::cuda::gpu::scratch`).
+        let [ids, weights, experts, offsets, pair_ids, bounds] =
+            crate::cuda::gpu::scratch(client, [pairs * 4, pairs * 4, e * 4, (e + 1) * 4, pairs * 4, 4 * 4]);
         let threads = spec.group_threads();
         // SAFETY: `logits` holds `[m, E]` and `bias` `[E]` f32 (the caller's contract, sizes checked by the
         // kernels' array lengths); every output is allocated above at the size the kernels write: ids/weights/pairs

@@ -299,6 +299,8 @@ pub enum KernelSpec {
         hidden: usize,
         /// Experts per token.
         topk: usize,
+        /// Adds the shared experts' output.
+        add: bool,
         /// Indexing width for [`MAX_TOKENS`] tokens.
         address: AddressType,
     },
@@ -433,7 +435,9 @@ impl KernelSpec {
             Self::ExpertRows { act, spec } => spec.label(*act),
             Self::ExpertMma { spec } => spec.label(),
             Self::SplitX3 { act, k } => format!("split_x3 {} k{k}", act.name()),
-            Self::Combine { hidden, topk, .. } => format!("combine hidden{hidden} topk{topk}"),
+            Self::Combine { hidden, topk, add, .. } => {
+                format!("combine hidden{hidden} topk{topk}{}", if *add { " +shared" } else { "" })
+            }
             Self::Copy => "copy f32x4".into(),
             Self::MlaAttention { r, rot, warps } => format!("mla_attention r{r} rot{rot} warps{warps}"),
             Self::MlaCombine { r } => format!("mla_combine r{r}"),
@@ -501,7 +505,9 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec
     }
     push(KernelSpec::SplitX3 { act: Act::F32, k: shape.inter });
     let address = AddressType::from_len(MAX_TOKENS * topk * shape.hidden);
-    push(KernelSpec::Combine { hidden: shape.hidden, topk, address });
+    for add in [false, true] {
+        push(KernelSpec::Combine { hidden: shape.hidden, topk, add, address });
+    }
     push(KernelSpec::Copy);
     out
 }
@@ -725,7 +731,7 @@ mod tests {
         let one = MoeConfig::for_tokens(1);
         assert!(!rows.iter().any(|(_, r)| r.warps == one.warps && r.tb > 1));
         assert!(rows.iter().all(|(_, r)| r.address == AddressType::U32));
-        assert_eq!(specs.iter().filter(|s| matches!(s, KernelSpec::Combine { .. })).count(), 1);
+        assert_eq!(specs.iter().filter(|s| matches!(s, KernelSpec::Combine { .. })).count(), 2);
         // gate/up at hidden 7168 with 4 tokens per pass stages 126 KiB of activations.
         let big = rows.iter().map(|(_, r)| r.shared_bytes()).max().unwrap();
         assert_eq!(big, 129_024);
