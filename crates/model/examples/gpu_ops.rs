@@ -314,15 +314,7 @@ fn main() -> Result<(), Error> {
         failed |= !ok;
         let us = time(&device, || {
             let _ = eyrie_model::cuda_ops::mla_latent_write(
-                &pool,
-                &kv_t,
-                &w_t,
-                eps,
-                &cos_t,
-                &sin_t,
-                interleave,
-                &slots,
-                None,
+                &pool, &kv_t, &w_t, eps, &cos_t, &sin_t, interleave, &slots, None,
             );
         });
         println!(

@@ -291,8 +291,8 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     "address": format!("{:?}", s.address),
                 }),
                 KernelSpec::SplitX3 { act, k } => json!({"act": act.name(), "k": k}),
-                KernelSpec::Combine { hidden, topk, address } => {
-                    json!({"hidden": hidden, "topk": topk, "address": format!("{address:?}")})
+                KernelSpec::Combine { hidden, topk, add, address } => {
+                    json!({"hidden": hidden, "topk": topk, "add": add, "address": format!("{address:?}")})
                 }
                 KernelSpec::Copy => json!({}),
                 KernelSpec::MlaAttention { r, rot, warps } => json!({"r": r, "rot": rot, "warps": warps}),

@@ -299,13 +299,21 @@ impl GpuRouting {
     }
 }
 
+/// Largest total that [`scratch`] reserves as one allocation; larger sets are reserved buffer by buffer.
+pub const SCRATCH_MAX_BYTES: usize = 64 << 20;
+
 /// `N` device buffers of `bytes[i]` bytes each, reserved in one request to the CubeCL server. Every `client.empty`
 /// is a task of its own on the server thread's queue, which at batch 1 is what a decode step waits on (the GPU
 /// work of a launch is often shorter than the host's handling of it), so a launch's scratch buffers are reserved
-/// together. The buffers are one allocation (each starts on the runtime's 512-byte alignment): it is given back
-/// when the last of the handles drops, so keep outputs that outlive the launch out of it when they are large.
+/// together. The buffers are one allocation (each starts on the runtime's 512-byte alignment), given back when the
+/// last of the handles drops. Only up to [`SCRATCH_MAX_BYTES`] in all: prefill-sized sets (GBs at 8192 rows) are
+/// reserved one by one as before, where the tasks cost nothing next to the work, because one multi-GB allocation a
+/// launch made an 8k x 8 prefill run out of device memory in CubeCL's pool (bench/REPORT.md, session 10).
 pub fn scratch<R: Runtime, const N: usize>(client: &ComputeClient<R>, bytes: [usize; N]) -> [Handle; N] {
     use cubecl::server::{MemoryLayoutDescriptor, MemoryLayoutStrategy};
+    if bytes.iter().sum::<usize>() > SCRATCH_MAX_BYTES {
+        return bytes.map(|b| client.empty(b.max(4)));
+    }
     let descriptors = bytes
         .iter()
         .map(|&b| MemoryLayoutDescriptor::new(MemoryLayoutStrategy::Contiguous, [b.max(4)].into(), 1))
