@@ -15,8 +15,8 @@
 //! Exit status 1 on a mismatch.
 //!
 //! Bench: microseconds per call (median of 5 runs of 5 back-to-back calls between device syncs) for
-//! - `eyrie`: `gemm_f32_bf16w` as the model calls it (split kernel, drain of CubeCL's queue, cuBLAS BF16 GEMMs over
-//!   the stacked `[3n, k]` parts in K-slices of `K_CHUNK`, stream sync, sum kernel);
+//! - `eyrie`: `gemm_f32_bf16w` as the model calls it (split kernel, cuBLAS BF16 GEMMs on CubeCL's stream over
+//!   the stacked `[3n, k]` parts in K-slices of `K_CHUNK`, sum kernel; no host wait);
 //! - `cublas bf16`: one cuBLAS BF16 GEMM of `[n, k]` (the speed a BF16 engine gets; the peer of the 70% target);
 //! - `cublas f32`: cuBLAS SGEMM on f32 copies (the peer at the same precision);
 //! - `burn`: what the model did before, `x.matmul(W.cast(f32).transpose())` (per-call cast, TF32 matmul), at n =
@@ -206,8 +206,10 @@ fn main() -> Result<()> {
             );
             sync(&client)?;
             // SAFETY: the buffers hold [rows, k] / [n, k] / [n, rows] of their types and live to the end of this
-            // iteration; every timing ends with a sync of the cuBLAS stream.
+            // iteration; every timing ends with a sync of the cuBLAS stream (the handle's own: `eyrie` leaves it on
+            // CubeCL's, so the peers set it back first).
             let bf16 = || unsafe {
+                blas.set_stream(None).map_err(anyhow::Error::msg)?;
                 blas.gemm_nt(
                     wp,
                     xbp,
@@ -221,6 +223,7 @@ fn main() -> Result<()> {
             };
             // SAFETY: as for `bf16`, with the f32 copies.
             let f32_peer = || unsafe {
+                blas.set_stream(None).map_err(anyhow::Error::msg)?;
                 blas.gemm_nt(
                     w32p,
                     xp,
