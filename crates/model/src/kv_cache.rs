@@ -647,4 +647,55 @@ mod tests {
             assert!((got - exp).abs() < 1e-5, "head {hh} row {i} dim {c}: burn {got} vs reference {exp}");
         }
     }
+
+    /// A step's uploaded rows and slots (`step_meta`) hold exactly `paged_rows` / `span_slots` of the spans asked
+    /// for: every layer of a step gets the same upload, and the next step (positions moved on, or other sequences)
+    /// never gets the previous one's.
+    #[test]
+    fn step_meta_is_the_spans_own_and_never_stale() {
+        let dev = Default::default();
+        let (bs, num_blocks, width) = (4usize, 12usize, 6usize);
+        let mut cache = PagedMlaCache::<Flex> {
+            pools: vec![Tensor::zeros([num_blocks * bs, width], &dev)],
+            spare: Tensor::zeros([1, width], &dev),
+            step: None,
+            block_size: bs,
+            blocks: BlockPool::new(num_blocks, bs),
+        };
+        let ints = |t: &Tensor<Flex, 1, Int>| -> Vec<u32> {
+            t.clone().into_data().convert::<i64>().to_vec::<i64>().unwrap().iter().map(|&v| v as u32).collect()
+        };
+        let check = |cache: &mut PagedMlaCache<Flex>, spans: &[SeqSpan<'_>], rows: usize| {
+            let step = cache.step_meta(spans, rows).expect("spans cover every row");
+            let want_rows = cache.paged_rows(spans);
+            let want_slots = cache.span_slots(spans, rows).unwrap();
+            assert_eq!(step.rows, want_rows);
+            assert_eq!(step.slots, want_slots);
+            assert_eq!(ints(&step.rows_dev), want_rows.packed());
+            assert_eq!(ints(&step.slots_dev), want_slots);
+            step
+        };
+        let seqs = [SequenceCache { blocks: vec![7, 2], len: 5 }, SequenceCache { blocks: vec![0, 5, 9], len: 8 }];
+        let step_a =
+            [SeqSpan { seq: &seqs[0], row: 0, start: 5, len: 1 }, SeqSpan { seq: &seqs[1], row: 1, start: 8, len: 1 }];
+        let first = check(&mut cache, &step_a, 2);
+        // Another layer of the same step: the same content.
+        let again = check(&mut cache, &step_a, 2);
+        assert_eq!(ints(&again.rows_dev), ints(&first.rows_dev));
+        // The next step: one position further in each sequence.
+        let step_b =
+            [SeqSpan { seq: &seqs[0], row: 0, start: 6, len: 1 }, SeqSpan { seq: &seqs[1], row: 1, start: 9, len: 1 }];
+        let next = check(&mut cache, &step_b, 2);
+        assert_ne!(next.slots, first.slots);
+        // Same lengths, other page tables (another pair of sequences at the same positions).
+        let others = [SequenceCache { blocks: vec![3, 11], len: 5 }, SequenceCache { blocks: vec![1, 4, 6], len: 8 }];
+        let step_c = [
+            SeqSpan { seq: &others[0], row: 0, start: 6, len: 1 },
+            SeqSpan { seq: &others[1], row: 1, start: 9, len: 1 },
+        ];
+        let moved = check(&mut cache, &step_c, 2);
+        assert_ne!(moved.rows.tables, next.rows.tables);
+        // Spans that leave a row uncovered have no step meta.
+        assert!(cache.step_meta(&step_c[..1], 2).is_none());
+    }
 }
