@@ -278,21 +278,9 @@ impl<B: Backend> PagedMlaCache<B> {
     /// `kv_a_layernorm`) of the first `r` columns, RoPE of the rest, into layer `layer` at the spans' positions. On
     /// CUDA one launch (`cuda_ops::mla_latent_write`); elsewhere the norm, RoPE, a concatenation and
     /// [`Self::write_spans`].
-    pub fn write_new_latents(
-        &mut self,
-        layer: usize,
-        spans: &[SeqSpan<'_>],
-        kv_a: Tensor<B, 2>,
-        norm: &crate::rms_norm::RmsNorm<B>,
-        rope: &RotaryEmbedding,
-        tables: &RopeTables<B>,
-    ) {
-        self.write_new_latents_with(layer, spans, kv_a, norm, rope, tables, None);
-    }
-
-    /// [`Self::write_new_latents`] with the step's slots already on the device (`step`, from [`Self::step_meta`]).
+    /// `step` (from [`Self::step_meta`]): the step's slots already on the device, or `None` (uploaded here).
     #[allow(clippy::too_many_arguments)]
-    fn write_new_latents_with(
+    pub(crate) fn write_new_latents(
         &mut self,
         layer: usize,
         spans: &[SeqSpan<'_>],
@@ -387,7 +375,7 @@ impl<B: Backend> Mla<B> {
         let step = if crate::cuda_ops::is_cuda::<B>() { cache.step_meta(spans, n) } else { None };
         #[cfg(not(feature = "cuda"))]
         let step: Option<StepMeta<B>> = None;
-        cache.write_new_latents_with(layer, spans, kv_a, &self.kv_a_layernorm, rope, tables, step.as_ref());
+        cache.write_new_latents(layer, spans, kv_a, &self.kv_a_layernorm, rope, tables, step.as_ref());
 
         // On CUDA: absorption, RoPE, attention and the value absorption in three launches, f32-exact with the BF16
         // kv_b_proj (no cast of it, no TF32 matmul).

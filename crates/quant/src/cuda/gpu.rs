@@ -343,9 +343,14 @@ pub fn moe_forward<R: Runtime, A: Float>(
     routing: &GpuRouting,
     out: &Handle,
 ) {
+    let cfg = tuned_config(client, experts, routing);
+    moe_forward_inner::<R, A>(client, experts, x, routing, out, &cfg, Stages::All, None);
+}
+
+/// The tuned launch shape for `routing`'s token count, fitted to the device's shared memory.
+fn tuned_config<R: Runtime>(client: &ComputeClient<R>, experts: &GpuExperts<R>, routing: &GpuRouting) -> MoeConfig {
     let limit = client.properties().hardware.max_shared_memory_size;
-    let cfg = MoeConfig::for_tokens(routing.m).fit_shared_memory(&experts.shape, limit);
-    moe_forward_with::<R, A>(client, experts, x, routing, out, &cfg, Stages::All);
+    MoeConfig::for_tokens(routing.m).fit_shared_memory(&experts.shape, limit)
 }
 
 /// [`moe_forward`] plus `addend` (`[m, hidden]` f32, e.g. the shared experts' output) added by the combine:
@@ -358,8 +363,7 @@ pub fn moe_forward_add<R: Runtime, A: Float>(
     addend: &Handle,
     out: &Handle,
 ) {
-    let limit = client.properties().hardware.max_shared_memory_size;
-    let cfg = MoeConfig::for_tokens(routing.m).fit_shared_memory(&experts.shape, limit);
+    let cfg = tuned_config(client, experts, routing);
     moe_forward_inner::<R, A>(client, experts, x, routing, out, &cfg, Stages::All, Some(addend));
 }
 
