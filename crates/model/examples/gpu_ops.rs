@@ -1,6 +1,6 @@
 //! GPU check of eyrie-model's own CUDA paths (issue 4) against the generic burn ops and an f64 CPU reference,
 //! with timings: the one-launch RMSNorm (`cuda_ops::rms_norm`) at Kimi-K2's norm widths and a Linear with BF16
-//! weights (the GEMV path, `cuda_ops::gemv`, up to 16 rows; the f32-exact cuBLAS GEMM, `cuda_ops::gemm`, above)
+//! weights (the GEMV path, `cuda_ops::gemv`, up to `GEMV_MAX_TOKENS` rows; the f32-exact cuBLAS GEMM, `cuda_ops::gemm`, above)
 //! against the same Linear's generic f32 matmul, and RoPE on row groups in
 //! one launch (`RotaryEmbedding::apply_rows`, `cuda_ops::rope_rows`) against its generic ops, and the absorbed MLA
 //! (`cuda_ops::mla_absorbed`: query absorption + RoPE, attention over the paged cache, value absorption) against an
@@ -117,7 +117,7 @@ fn main() -> Result<(), Error> {
         rows.push(serde_json::json!({"op": "add_rms_norm", "n": n, "width": width, "error": e, "sum_exact": h_exact,
             "kernel_us": us, "ok": ok}));
     }
-    // Up to 16 rows: the GEMV kernel; more (prefill chunks): the f32-exact cuBLAS GEMM (`cuda_ops::gemm`).
+    // Up to `gemv_max_tokens()` rows: the GEMV kernel; more: the f32-exact cuBLAS GEMM (`cuda_ops::gemm`).
     // Activations with all 24 mantissa bits in use (BF16-valued ones would hide a lost split part).
     for (n, out, inp) in
         [(1usize, 1536usize, 7168usize), (4, 7168, 2048), (16, 2048, 7168), (17, 1536, 7168), (300, 576, 1024)]

@@ -8,11 +8,14 @@ use eyrie_quant::cuda::gemm::{Blas, gemm_f32_bf16w};
 
 use super::{Cube, back, float, is_cuda};
 
-/// Most tokens a step sends through the GEMV kernel by default; wider inputs (prefill chunks) take `gemm`.
-pub const GEMV_MAX_TOKENS: usize = 16;
+/// Most tokens a step sends through the GEMV kernel by default; wider inputs (batched decode steps of 5 or more
+/// sequences, verification, prefill chunks) take `gemm`. Measured on the H200 (bench/REPORT.md, session 10; a
+/// 10-layer slice at 1k, ms a step GEMV / cuBLAS): 2 rows 4.4 / 8.1, 4 rows 5.7 / 5.7, 5 rows 8.9 / 7.9, 8 rows
+/// 10.9 / 9.5, 16 rows 17.3 / 12.5: the GEMV is issue-bound in f32 above a few rows, cuBLAS reads the weights once.
+pub const GEMV_MAX_TOKENS: usize = 4;
 
 /// Most tokens a step sends through the GEMV kernel: [`GEMV_MAX_TOKENS`], or `EYRIE_GEMV_MAX_TOKENS` (read once; a
-/// benchmark knob: the GEMV reads the weights once per 8 tokens, the cuBLAS GEMM once, but drains the queue).
+/// benchmark knob for finding the crossover again after either path changes).
 pub fn gemv_max_tokens() -> usize {
     static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *MAX.get_or_init(|| match std::env::var("EYRIE_GEMV_MAX_TOKENS") {

@@ -24,8 +24,11 @@
 //! through CubeCL's server in queue order, so every launch before the call is on that stream when cuBLAS enqueues
 //! after it, and every launch after the call follows it. No device synchronization: the host does not wait for
 //! the GPU (before the patch it drained the queue before each call and waited for cuBLAS after, which made batched
-//! decode steps above the GEMV's width host-bound). A prefill-sized call ends with a flush of CubeCL's queue (a
-//! server round trip), which is when CubeCL's storage frees device memory its pools gave back.
+//! decode steps above the GEMV's width host-bound). Decode-width calls reuse a workspace held by the [`Blas`]
+//! handle for the split activations and partial products (its pointer looked up once), so they cost one server
+//! round trip (the weight's pointer) and reserve nothing; a prefill-sized call reserves its own buffers and ends
+//! with a flush of CubeCL's queue (a round trip), which is when CubeCL's storage frees device memory its pools
+//! gave back.
 //!
 //! The CPU references are [`split_bf16x3`] and [`crate::cuda::dense::gemv_reference`] (f64 accumulation), always
 //! built and tested in CI.
@@ -120,6 +123,19 @@ mod gpu {
         stream: Arc<CudaStream>,
         handle: sys::cublasHandle_t,
         ordinal: usize,
+        /// The stream cuBLAS is on now (`set_stream` is a no-op when it does not change).
+        current: std::cell::Cell<usize>,
+        /// Decode-width calls' split activations and partial products (see [`gemm_f32_bf16w`]).
+        workspace: std::cell::RefCell<Option<Workspace>>,
+    }
+
+    /// A buffer reserved once on CubeCL's stream of the thread that owns the [`Blas`], reused by every call that
+    /// fits (every use is on that one stream, in order), with its device pointer and stream looked up once.
+    struct Workspace {
+        handle: Handle,
+        ptr: u64,
+        stream: cudarc::driver::sys::CUstream,
+        bytes: usize,
     }
 
     impl std::fmt::Debug for Blas {
@@ -153,7 +169,8 @@ mod gpu {
                 let _ = unsafe { cublas::destroy_handle(handle) };
                 return Err(format!("cuBLAS stream on device {ordinal}: {e:?}"));
             }
-            Ok(Self { context, stream, handle, ordinal })
+            let current = std::cell::Cell::new(stream.cu_stream() as usize);
+            Ok(Self { context, stream, handle, ordinal, current, workspace: std::cell::RefCell::new(None) })
         }
 
         /// The CUDA device this handle works on.
@@ -172,9 +189,35 @@ mod gpu {
         /// cuBLAS refused the stream.
         pub fn set_stream(&self, stream: Option<cudarc::driver::sys::CUstream>) -> Result<(), String> {
             let stream = stream.unwrap_or_else(|| self.stream.cu_stream());
+            if self.current.get() == stream as usize {
+                return Ok(());
+            }
             // SAFETY: a live handle; the caller's stream is a live stream of the same context.
             unsafe { cublas::set_stream(self.handle, stream as _) }
-                .map_err(|e| format!("cuBLAS stream on device {}: {e:?}", self.ordinal))
+                .map_err(|e| format!("cuBLAS stream on device {}: {e:?}", self.ordinal))?;
+            self.current.set(stream as usize);
+            Ok(())
+        }
+
+        /// This handle's workspace of at least `bytes` (grown to the next power of two when short: one reservation
+        /// and one pointer lookup then), as `(buffer, device pointer, CubeCL's stream)`.
+        fn workspace(
+            &self,
+            client: &ComputeClient<CudaRuntime>,
+            bytes: usize,
+        ) -> Result<(Handle, u64, cudarc::driver::sys::CUstream), String> {
+            let mut ws = self.workspace.borrow_mut();
+            if ws.as_ref().is_none_or(|w| w.bytes < bytes) {
+                let bytes = bytes.next_power_of_two();
+                let handle = client.empty(bytes);
+                let (ptr, stream) = {
+                    let (ptr, stream, _guard) = device_ptr(client, &handle, "gemm_f32_bf16w: workspace")?;
+                    (ptr, stream)
+                };
+                *ws = Some(Workspace { handle, ptr, stream, bytes });
+            }
+            let w = ws.as_ref().expect("set above");
+            Ok((w.handle.clone(), w.ptr, w.stream))
         }
 
         /// Waits for this handle's stream.
@@ -313,8 +356,16 @@ mod gpu {
         }
         let words = n * k / 2;
         let (split_bytes, partial_bytes) = (3 * n * k * 2, 3 * n * rows * 4);
-        let split = client.empty(split_bytes);
-        let partial = client.empty(partial_bytes);
+        // Decode widths: the thread's workspace (no reservation, no pointer lookups); prefill widths: buffers of
+        // their own, freed after the call.
+        let split_at = split_bytes.next_multiple_of(512);
+        let small = split_at + partial_bytes <= crate::cuda::gpu::SCRATCH_MAX_BYTES;
+        let (split, partial, known) = if small {
+            let (ws, ptr, stream) = blas.workspace(client, split_at + partial_bytes)?;
+            (ws.clone(), ws.offset_start(split_at as u64), Some((ptr, ptr + split_at as u64, stream)))
+        } else {
+            (client.empty(split_bytes), client.empty(partial_bytes), None)
+        };
         // SAFETY: `x` holds 2 * words f32 and `split` 3 * words words (checked/allocated above); the kernel writes
         // index < words of each slab only.
         unsafe {
@@ -329,11 +380,22 @@ mod gpu {
             );
         }
         {
+            // The lookup of W is a server round trip: the split kernel above is enqueued on CubeCL's stream when it
+            // returns, so cuBLAS, enqueued next on that stream, runs after it.
             let (wp, _, _w) = device_ptr(client, w, "gemm_f32_bf16w: W")?;
-            let (pp, _, _p) = device_ptr(client, &partial, "gemm_f32_bf16w: partial products")?;
-            // `split` was reserved just above on this thread's stream: its stream is the one CubeCL launches this
-            // thread's work on, and the split kernel is enqueued there by now (the lookup is a server round trip).
-            let (sp, stream, _s) = device_ptr(client, &split, "gemm_f32_bf16w: split activations")?;
+            let mut guards = Vec::new();
+            let (sp, pp, stream) = match known {
+                Some(k) => k,
+                None => {
+                    let (pp, _, p) = device_ptr(client, &partial, "gemm_f32_bf16w: partial products")?;
+                    // `split` was reserved just above on this thread's stream: its stream is the one CubeCL
+                    // launches this thread's work on.
+                    let (sp, stream, s) = device_ptr(client, &split, "gemm_f32_bf16w: split activations")?;
+                    guards.push(p);
+                    guards.push(s);
+                    (sp, pp, stream)
+                }
+            };
             blas.set_stream(Some(stream))?;
             // K-slices, each added to the partial products by the GEMM's epilogue (an f32 add that rounds to
             // nearest): the tensor cores' own accumulation (which truncates) then runs over one slice only.
@@ -379,7 +441,7 @@ mod gpu {
         // CubeCL's storage frees device memory its pools give back only when its queue is flushed (a sync used to
         // do it here): flush after prefill-sized calls, where the round trip (no GPU wait) costs nothing next to
         // the GEMM; at decode widths it would cost a step ~60 us a call (batch 32: 18.8 -> 23.2 ms a step).
-        if split_bytes + partial_bytes > crate::cuda::gpu::SCRATCH_MAX_BYTES {
+        if !small {
             client.flush().map_err(|e| format!("gemm_f32_bf16w: flushing CubeCL's queue: {e:?}"))?;
         }
         Ok(())
