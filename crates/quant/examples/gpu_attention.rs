@@ -24,7 +24,8 @@ use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
 use eyrie_quant::cuda::attention::{
-    AttentionConfig, PagedRows, attention_shared_bytes, mla_attention, mla_attention_reference, write_rows,
+    AttentionConfig, HEADS_PER_WARP, PagedRows, attention_shared_bytes, mla_attention, mla_attention_reference,
+    write_rows,
 };
 use eyrie_quant::cuda::copy_bandwidth;
 
@@ -113,8 +114,15 @@ fn check(
     let auto = AttentionConfig::new(n, case.heads, max_len, d, 132, smem)
         .ok_or_else(|| anyhow::anyhow!("{}: no launch shape fits", case.name))?;
     let one = AttentionConfig { splits: 1, chunk: max_len.div_ceil(32) * 32, ..auto };
+    // Every heads-a-warp variant of the kernel, at the automatic slices.
+    let mut launches = vec![("auto".to_string(), auto), ("one slice".to_string(), one)];
+    for hpw in HEADS_PER_WARP {
+        if hpw != auto.hpw && attention_shared_bytes(d, auto.warps, hpw) <= smem {
+            launches.push((format!("{hpw} heads a warp"), AttentionConfig { hpw, ..auto }));
+        }
+    }
     let mut all_ok = true;
-    for (label, cfg) in [("auto", auto), ("one slice", one)] {
+    for (label, cfg) in launches {
         let out = client.empty(n * case.heads * case.r * 4);
         mla_attention(client, &q_dev, &c_dev, slots, &rows, &meta, &out, case.heads, case.r, case.rot, scale, cfg)
             .map_err(anyhow::Error::msg)?;
@@ -128,7 +136,7 @@ fn check(
         let ok = err <= TOL && got.iter().all(|v| v.is_finite());
         all_ok &= ok;
         println!(
-            "| {} | {} | {} x ({} + {}) | {:?} | {} | {label}: {} warps, {} slices of {} | {err:.1e} {} |",
+            "| {} | {} | {} x ({} + {}) | {:?} | {} | {label}: {} warps x {} heads, {} slices of {} | {err:.1e} {} |",
             case.name,
             case.heads,
             case.r,
@@ -137,12 +145,13 @@ fn check(
             case.lens,
             n,
             cfg.warps,
+            cfg.hpw,
             cfg.splits,
             cfg.chunk,
             if ok { "ok" } else { "FAIL" }
         );
         out_json.push(serde_json::json!({"case": case.name, "heads": case.heads, "r": case.r, "rot": case.rot,
-            "lens": case.lens, "new": case.new, "rows": n, "launch": label, "warps": cfg.warps, "splits": cfg.splits,
+            "lens": case.lens, "new": case.new, "rows": n, "launch": label, "warps": cfg.warps, "heads_per_warp": cfg.hpw, "splits": cfg.splits,
             "error": err, "ok": ok}));
     }
     Ok(all_ok)
@@ -282,9 +291,10 @@ fn main() -> Result<()> {
             let gbs = moved / secs / 1e9;
             let pct = 100.0 * moved / secs / copy_bw;
             println!(
-                "| {batch} | {ctx} | {:.1} | {} warps, {} slices | {:.1} | {gbs:.0} | {pct:.1} | {:.1} |",
+                "| {batch} | {ctx} | {:.1} | {} warps x {} heads, {} slices | {:.1} | {gbs:.0} | {pct:.1} | {:.1} |",
                 cache_bytes / 1e6,
                 cfg.warps,
+                cfg.hpw,
                 cfg.splits,
                 secs * 1e6,
                 flops / secs / 1e12
@@ -292,19 +302,19 @@ fn main() -> Result<()> {
             bench_json.push(
                 serde_json::json!({"batch": batch, "context": ctx, "heads": heads, "cache_bytes": cache_bytes,
                 "bytes_moved": moved, "us": secs * 1e6, "gb_s": gbs, "pct_copy_bw": pct, "tflops": flops / secs / 1e12,
-                "warps": cfg.warps, "splits": cfg.splits, "chunk": cfg.chunk}),
+                "warps": cfg.warps, "heads_per_warp": cfg.hpw, "splits": cfg.splits, "chunk": cfg.chunk}),
             );
         }
     }
-    // Launch shapes at decode batches (`--sweep`): every warps x slice length that fits, to tune
+    // Launch shapes at decode batches (`--sweep`): every heads a warp x warps x slice length that fits, to tune
     // `AttentionConfig::new` (the auto choice is marked).
     let mut sweep_json = Vec::new();
     if sweep {
         println!("\nlaunch-shape sweep: us per layer (auto choice marked *)");
         println!(
-            "| batch | context | warps | positions a slice | slices | blocks | us/layer |\n|---|---|---|---|---|---|---|"
+            "| batch | context | heads a warp | warps | positions a slice | slices | blocks | us/layer |\n|---|---|---|---|---|---|---|---|"
         );
-        for (ctx, batch) in [(1024usize, 1usize), (1024, 8), (8192, 1), (8192, 8), (1024, 32)] {
+        for (ctx, batch) in [(1024usize, 1usize), (1024, 2), (1024, 4), (1024, 8), (8192, 1), (8192, 8), (1024, 32)] {
             let lens = vec![ctx; batch];
             let slots = batch * ctx.div_ceil(bs) * bs;
             let case = Case { name: "sweep", heads, r, rot, block_size: bs, lens: lens.clone(), new: vec![1; batch] };
@@ -315,15 +325,15 @@ fn main() -> Result<()> {
             let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
             let out = client.empty(batch * heads * r * 4);
             let auto = AttentionConfig::new(batch, heads, ctx, d, sms, smem);
-            for warps in [1usize, 2, 4, 8] {
-                if attention_shared_bytes(d, warps) > smem {
+            for (hpw, warps) in HEADS_PER_WARP.iter().flat_map(|&h| [1usize, 2, 4, 8].map(|w| (h, w))) {
+                if attention_shared_bytes(d, warps, hpw) > smem {
                     continue;
                 }
                 for chunk in [32usize, 64, 128, 256, 512, 1024, 2048] {
                     if chunk > ctx.next_multiple_of(32) {
                         continue;
                     }
-                    let cfg = AttentionConfig { warps, splits: ctx.div_ceil(chunk), chunk };
+                    let cfg = AttentionConfig { warps, hpw, splits: ctx.div_ceil(chunk), chunk };
                     let run = || {
                         mla_attention(&client, &q_dev, &cache, slots, &rows, &meta, &out, heads, r, rot, 0.07, cfg)
                             .map_err(anyhow::Error::msg)
@@ -341,10 +351,14 @@ fn main() -> Result<()> {
                     }
                     times.sort_by(f64::total_cmp);
                     let us = times[3] * 1e6;
-                    let blocks = cfg.splits * batch * heads.div_ceil(8 * warps);
+                    let blocks = cfg.blocks(batch, heads);
                     let mark = if auto == Some(cfg) { "*" } else { "" };
-                    println!("| {batch} | {ctx} | {warps} | {chunk} | {} | {blocks} | {us:.1}{mark} |", cfg.splits);
-                    sweep_json.push(serde_json::json!({"batch": batch, "context": ctx, "warps": warps, "chunk": chunk,
+                    println!(
+                        "| {batch} | {ctx} | {hpw} | {warps} | {chunk} | {} | {blocks} | {us:.1}{mark} |",
+                        cfg.splits
+                    );
+                    sweep_json.push(serde_json::json!({"batch": batch, "context": ctx, "heads_per_warp": hpw,
+                        "warps": warps, "chunk": chunk,
                         "splits": cfg.splits, "blocks": blocks, "us": us, "auto": auto == Some(cfg)}));
                 }
             }

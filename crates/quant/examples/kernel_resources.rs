@@ -295,7 +295,9 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     json!({"hidden": hidden, "topk": topk, "add": add, "address": format!("{address:?}")})
                 }
                 KernelSpec::Copy => json!({}),
-                KernelSpec::MlaAttention { r, rot, warps } => json!({"r": r, "rot": rot, "warps": warps}),
+                KernelSpec::MlaAttention { r, rot, warps, hpw } => {
+                    json!({"r": r, "rot": rot, "warps": warps, "heads_per_warp": hpw})
+                }
                 KernelSpec::MlaCombine { r } => json!({"r": r}),
                 KernelSpec::Gemv { k, cfg } | KernelSpec::GemvSwiglu { k, cfg } => {
                     json!({"k": k, "warps": cfg.warps, "rows_at_once": cfg.rows_at_once, "tb": cfg.tb})

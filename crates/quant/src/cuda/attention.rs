@@ -9,12 +9,14 @@
 //! Position `t` of a sequence lives in cache row `table[seq][t / block_size] * block_size + t % block_size`.
 //!
 //! Work split (flash decoding): grid `(splits, rows, head groups)`. A block of `warps` warps (up to 8) owns one
-//! query row, `8 * warps` heads (8 per warp) and one slice of the row's positions, which it walks in tiles of 32:
+//! query row, `hpw * warps` heads (`hpw` = 2, 4 or 8 a warp: fewer at small batches over short contexts, where
+//! the grid is small and a warp's chain of dependent work sets the time) and one slice of the row's positions,
+//! which it walks in tiles of 32:
 //! the tile's cache rows are looked up in the page table while the previous tile is being scored, its latents are
 //! gathered into shared memory with 16-byte loads all in flight together (each latent read once for all the
-//! block's heads), lane `t` scores key `t` against the warp's 8 heads (queries in shared memory as vectors of 4
+//! block's heads), lane `t` scores key `t` against the warp's heads (queries in shared memory as vectors of 4
 //! heads, broadcast), an online softmax keeps each head's running max and sum, and each lane accumulates its
-//! value vectors (`lane + 32 j`, `r` a multiple of 32) for the warp's 8 heads in registers. Slices of one row are
+//! value vectors (`lane + 32 j`, `r` a multiple of 32) for the warp's heads in registers. Slices of one row are
 //! merged by [`mla_combine_kernel`] (log-sum-exp weights) when the row was split; with one slice the block writes
 //! the normalized output itself. The arithmetic is f32 on the CUDA cores (no tensor cores: TF32 or BF16 operands
 //! would round the queries and latents), which bounds it by compute, not bandwidth (bench/REPORT.md).
@@ -158,19 +160,25 @@ pub fn mla_attention_reference(
     out
 }
 
-/// Shared memory of one block of [`gpu::mla_attention_kernel`] with `warps` warps and latents of width `d`:
-/// the block's queries (`8 warps` heads x `d`), one tile of 32 latents (rows padded by one 16-byte vector against
-/// bank conflicts), each warp's 32 x 8 softmax weights, the tile's 32 cache rows, and the `cp.async` barrier (8
-/// bytes, 16 with its alignment).
-pub fn attention_shared_bytes(d: usize, warps: usize) -> usize {
-    4 * (d * 8 * warps + 32 * (d / 4 + 1) * 4 + warps * 32 * 8 + 32) + 16
+/// Shared memory of one block of [`gpu::mla_attention_kernel`] with `warps` warps of `hpw` heads each and latents
+/// of width `d`: the block's queries (`hpw warps` heads x `d`), one tile of 32 latents (rows padded by one 16-byte
+/// vector against bank conflicts), each warp's 32 x `hpw` softmax weights (in vectors of 4), the tile's 32 cache
+/// rows, and the `cp.async` barrier (8 bytes, 16 with its alignment).
+pub fn attention_shared_bytes(d: usize, warps: usize, hpw: usize) -> usize {
+    4 * (d * hpw * warps + 32 * (d / 4 + 1) * 4 + warps * 32 * 4 * hpw.div_ceil(4) + 32) + 16
 }
 
-/// Launch shape of the attention: warps per block (8 heads each) and slices per query row.
+/// Heads a warp of the attention may own: fewer heads a warp is a shorter chain of dependent work a tile (the
+/// batch-1 fixed cost), more heads a warp reads each latent tile into fewer blocks.
+pub const HEADS_PER_WARP: [usize; 3] = [2, 4, 8];
+
+/// Launch shape of the attention: warps per block, heads per warp and slices per query row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionConfig {
-    /// Warps per block: 1 to 8; 8 heads each.
+    /// Warps per block: 1 to 8.
     pub warps: usize,
+    /// Heads per warp: one of [`HEADS_PER_WARP`].
+    pub hpw: usize,
     /// Slices of each row's positions (each a multiple of 32 positions), merged by the combine kernel.
     pub splits: usize,
     /// Positions per slice (a multiple of 32).
@@ -179,31 +187,51 @@ pub struct AttentionConfig {
 
 impl AttentionConfig {
     /// The shape for `rows` query rows of `heads` heads over at most `max_len` positions, latents of width `d`, on
-    /// a device with `sms` multiprocessors and `smem` bytes of shared memory per block: as many warps as the
-    /// heads fill (at most 8: all 64 of Kimi's heads read each latent tile once) and the shared memory allows, then
-    /// enough slices (of at least 32 positions) to give every multiprocessor at most one block; when even 32-position
-    /// slices leave multiprocessors idle (one or two rows over short contexts), half the warps a block and twice the
-    /// blocks. Tuned on the H200 (`gpu_attention --sweep`, bench/REPORT.md): batch 1 at 1k 135 -> 69 us a layer,
-    /// batch 8 at 1k 135 -> 98 us, batch 8 at 8k 596 -> 545 us, batch 32 at 1k 330 -> 298 us against the previous
+    /// a device with `sms` multiprocessors and `smem` bytes of shared memory per block. Heads a warp: 8 (each
+    /// latent tile read into the fewest blocks) when the rows' 32-position tiles give every multiprocessor at least
+    /// 8 warp tasks, else 4 (at 4 tasks a multiprocessor) or 2, so short contexts at small batches still fill the
+    /// GPU with short chains (the batch-1 fixed cost). Then as many warps as the heads fill (at most 8) and the shared memory allows, then
+    /// enough slices (of at least 32 positions) to give every multiprocessor at most one block; at 8 heads a warp,
+    /// when even 32-position slices leave multiprocessors idle, half the warps a block and twice the blocks. Tuned
+    /// on the H200 (`gpu_attention --sweep`, bench/REPORT.md): batch 1 at 1k 135 -> 69 us a layer, batch 8 at 1k
+    /// 135 -> 98 us, batch 8 at 8k 596 -> 545 us, batch 32 at 1k 330 -> 298 us against the previous
     /// two-blocks-a-multiprocessor, 128-position-minimum choice.
     pub fn new(rows: usize, heads: usize, max_len: usize, d: usize, sms: usize, smem: usize) -> Option<Self> {
-        let mut warps = heads.div_ceil(8).clamp(1, 8);
-        while warps > 1 && attention_shared_bytes(d, warps) > smem {
-            warps -= 1;
-        }
-        if attention_shared_bytes(d, warps) > smem || rows == 0 || max_len == 0 {
+        if rows == 0 || max_len == 0 || heads == 0 {
             return None;
         }
         let tiles = max_len.div_ceil(32);
-        let per_split = |warps: usize| rows * heads.div_ceil(8 * warps);
-        if warps >= 2 && per_split(warps) * tiles < sms {
+        let tasks = |hpw: usize| rows * tiles * heads.div_ceil(hpw);
+        // 8 heads a warp at 8 warp tasks a multiprocessor, 4 at 4, else 2 (the H200 sweep's best or within 3% of it
+        // at 1, 2, 4 and 8 rows over 1k and 1 and 8 rows over 8k: bench/REPORT.md, session 11).
+        let hpw = if tasks(8) >= 8 * sms {
+            8
+        } else if tasks(4) >= 4 * sms {
+            4
+        } else {
+            2
+        };
+        let mut warps = heads.div_ceil(hpw).clamp(1, 8);
+        while warps > 1 && attention_shared_bytes(d, warps, hpw) > smem {
+            warps -= 1;
+        }
+        if attention_shared_bytes(d, warps, hpw) > smem {
+            return None;
+        }
+        let per_split = |warps: usize| rows * heads.div_ceil(hpw * warps);
+        if hpw == 8 && warps >= 2 && per_split(warps) * tiles < sms {
             warps /= 2;
         }
         // At most one wave: a few blocks past a multiple of the multiprocessors cost a whole second wave (batch 32
         // at 1k: 5 slices = 160 blocks 498 us, 4 slices = 128 blocks 298 us).
         let want = (sms / per_split(warps)).clamp(1, tiles);
         let chunk = tiles.div_ceil(want) * 32;
-        Some(Self { warps, splits: max_len.div_ceil(chunk), chunk })
+        Some(Self { warps, hpw, splits: max_len.div_ceil(chunk), chunk })
+    }
+
+    /// Blocks of one launch for `rows` query rows of `heads` heads.
+    pub fn blocks(&self, rows: usize, heads: usize) -> usize {
+        self.splits * rows * heads.div_ceil(self.hpw * self.warps)
     }
 }
 
@@ -230,7 +258,7 @@ mod gpu {
         z
     }
 
-    /// One block: one query row, `8 * warps` heads, one slice of positions (module docs).
+    /// One block: one query row, `hpw * warps` heads, one slice of positions (module docs).
     #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
     pub fn mla_attention_kernel<N: Size>(
@@ -248,6 +276,7 @@ mod gpu {
         #[comptime] r: usize,
         #[comptime] rot: usize,
         #[comptime] warps: usize,
+        #[comptime] hpw: usize,
     ) {
         let lane = UNIT_POS_X as usize;
         let warp = UNIT_POS_Y as usize;
@@ -264,7 +293,11 @@ mod gpu {
         let rjv = comptime!(r.div_ceil(128));
         let full = comptime!(r.is_multiple_of(128));
         let threads = comptime!(32 * warps);
-        let h0 = CUBE_POS_Z as usize * comptime!(8 * warps);
+        let h0 = CUBE_POS_Z as usize * comptime!(hpw * warps);
+        // Softmax weights a key: vectors of 4 heads.
+        let pvn = comptime!(hpw.div_ceil(4));
+        // Accumulators a head: the lane's value vectors of 4.
+        let hs = comptime!(4 * r.div_ceil(128));
 
         let seq = meta[row] as usize;
         let len = meta[n_rows + row] as usize;
@@ -278,15 +311,15 @@ mod gpu {
             k_end = k_begin;
         }
 
-        // Queries of the block's heads, `[8 warps heads][d / 4]` vectors, copied with `cp.async` (16 bytes each,
+        // Queries of the block's heads, `[hpw warps heads][d / 4]` vectors, copied with `cp.async` (16 bytes each,
         // all in flight at once, no registers held; the block's heads are one contiguous stretch of `q`); heads
         // past the end are 0. The copies complete at the first tile's barrier.
         let barrier = Barrier::shared(comptime!(32 * warps) as u32, tid == 0);
-        let mut qs = SharedMemory::<Vector<f32, N>>::new(comptime!((r + rot) * 2 * warps));
+        let mut qs = SharedMemory::<Vector<f32, N>>::new(comptime!(hpw * warps * ((r + rot) / 4)));
         let q0 = (row * heads + h0) * dv;
-        for it in 0..comptime!(((r + rot) * 2 * warps).div_ceil(32 * warps)) {
+        for it in 0..comptime!((hpw * warps * ((r + rot) / 4)).div_ceil(32 * warps)) {
             let i = it * threads + tid;
-            if i < comptime!((r + rot) * 2 * warps) {
+            if i < comptime!(hpw * warps * ((r + rot) / 4)) {
                 if h0 + i / dv < heads {
                     copy_async::<Vector<f32, N>>(&q.slice(q0 + i, q0 + i + 1), &mut qs.slice_mut(i, i + 1), 4u32);
                 } else {
@@ -295,20 +328,26 @@ mod gpu {
             }
         }
         let mut ks = SharedMemory::<Vector<f32, N>>::new(comptime!(32 * ((r + rot) / 4 + 1)));
-        let mut ps = SharedMemory::<Vector<f32, N>>::new(comptime!(warps * 64));
+        let mut ps = SharedMemory::<Vector<f32, N>>::new(comptime!(warps * 32 * hpw.div_ceil(4)));
         let mut slots = SharedMemory::<u32>::new(32usize);
 
-        let mut acc = Array::<f32>::new(comptime!(32 * r.div_ceil(128)));
+        let mut acc = Array::<f32>::new(comptime!(hpw * 4 * r.div_ceil(128)));
         #[unroll]
-        for a in 0..comptime!(32 * r.div_ceil(128)) {
+        for a in 0..comptime!(hpw * 4 * r.div_ceil(128)) {
             acc[a] = f32::new(0.0);
         }
-        let mut m = Array::<f32>::new(8usize);
-        let mut l = Array::<f32>::new(8usize);
-        let mut s = Array::<f32>::new(8usize);
-        let mut p = Array::<f32>::new(8usize);
+        let mut m = Array::<f32>::new(hpw);
+        let mut l = Array::<f32>::new(hpw);
+        let mut s = Array::<f32>::new(hpw);
+        // Weights of the lane's key for the warp's heads, padded to whole vectors of 4 with zeros.
+        let mut p = Array::<f32>::new(comptime!(4 * hpw.div_ceil(4)));
+        let mut w = Array::<f32>::new(comptime!(4 * hpw.div_ceil(4)));
         #[unroll]
-        for h in 0..8usize {
+        for h in 0..comptime!(4 * hpw.div_ceil(4)) {
+            p[h] = f32::new(0.0);
+        }
+        #[unroll]
+        for h in 0..hpw {
             m[h] = f32::new(-1.0e30);
             l[h] = f32::new(0.0);
         }
@@ -359,17 +398,17 @@ mod gpu {
             barrier.commit_copy_async();
             barrier.arrive_and_wait();
 
-            // Lane = key: scores against the warp's 8 heads.
+            // Lane = key: scores against the warp's heads.
             #[unroll]
-            for h in 0..8usize {
+            for h in 0..hpw {
                 s[h] = f32::new(0.0);
             }
             for c4 in 0..dv {
                 let kv = ks[lane * kstv + c4];
-                let qw = warp * 8 * dv + c4;
+                let qw = warp * hpw * dv + c4;
                 // Head by head, each head's 4 products added in dimension order (as the CPU reference does).
                 #[unroll]
-                for h in 0..8usize {
+                for h in 0..hpw {
                     let qv = qs[qw + h * dv];
                     #[unroll]
                     for e in 0..4usize {
@@ -379,7 +418,7 @@ mod gpu {
             }
             let valid = t0 + lane < k_end;
             #[unroll]
-            for h in 0..8usize {
+            for h in 0..hpw {
                 let mut sv = s[h] * scale;
                 if !valid {
                     sv = f32::new(-1.0e30);
@@ -394,29 +433,33 @@ mod gpu {
                 m[h] = m_new;
                 p[h] = pv;
                 #[unroll]
-                for j in 0..comptime!(4 * r.div_ceil(128)) {
-                    acc[h * comptime!(4 * r.div_ceil(128)) + j] *= alpha;
+                for j in 0..hs {
+                    acc[h * hs + j] *= alpha;
                 }
             }
-            let mut pa = Vector::<f32, N>::empty();
-            let mut pb = Vector::<f32, N>::empty();
-            pa[0] = p[0usize];
-            pa[1] = p[1usize];
-            pa[2] = p[2usize];
-            pa[3] = p[3usize];
-            pb[0] = p[4usize];
-            pb[1] = p[5usize];
-            pb[2] = p[6usize];
-            pb[3] = p[7usize];
-            ps[(warp * 32 + lane) * 2] = pa;
-            ps[(warp * 32 + lane) * 2 + 1] = pb;
+            // The lane's key's weights for the warp's heads, 4 heads a vector (heads past `hpw` weigh 0).
+            #[unroll]
+            for v in 0..pvn {
+                let mut pv = Vector::<f32, N>::empty();
+                #[unroll]
+                for e in 0..4usize {
+                    pv[e] = p[4 * v + e];
+                }
+                ps[(warp * 32 + lane) * pvn + v] = pv;
+            }
             sync_plane();
 
             // Lane = value vectors lane + 32 j (dimensions 4 (lane + 32 j) ..+4): every key of the tile for the
-            // warp's 8 heads.
+            // warp's heads.
             for t in 0..32usize {
-                let wa = ps[(warp * 32 + t) * 2];
-                let wb = ps[(warp * 32 + t) * 2 + 1];
+                #[unroll]
+                for v in 0..pvn {
+                    let pv = ps[(warp * 32 + t) * pvn + v];
+                    #[unroll]
+                    for e in 0..4usize {
+                        w[4 * v + e] = pv[e];
+                    }
+                }
                 #[unroll]
                 for j in 0..rjv {
                     let mut v = Vector::<f32, N>::empty();
@@ -434,15 +477,10 @@ mod gpu {
                     #[unroll]
                     for e in 0..4usize {
                         let a = 4 * j + e;
-                        let hs = comptime!(4 * r.div_ceil(128));
-                        acc[a] += wa[0] * v[e];
-                        acc[hs + a] += wa[1] * v[e];
-                        acc[2 * hs + a] += wa[2] * v[e];
-                        acc[3 * hs + a] += wa[3] * v[e];
-                        acc[4 * hs + a] += wb[0] * v[e];
-                        acc[5 * hs + a] += wb[1] * v[e];
-                        acc[6 * hs + a] += wb[2] * v[e];
-                        acc[7 * hs + a] += wb[3] * v[e];
+                        #[unroll]
+                        for h in 0..hpw {
+                            acc[h * hs + a] += w[h] * v[e];
+                        }
                     }
                 }
             }
@@ -450,8 +488,8 @@ mod gpu {
 
         let base = (split * n_rows + row) * heads;
         #[unroll]
-        for h in 0..8usize {
-            let head = h0 + warp * 8 + h;
+        for h in 0..hpw {
+            let head = h0 + warp * hpw + h;
             if head < heads {
                 let mut inv = f32::new(0.0);
                 if l[h] > f32::new(0.0) {
@@ -460,7 +498,7 @@ mod gpu {
                 #[unroll]
                 for j in 0..rjv {
                     if lane + 32 * j < comptime!(r / 4) {
-                        let a = h * comptime!(4 * r.div_ceil(128)) + 4 * j;
+                        let a = h * hs + 4 * j;
                         let mut o = Vector::<f32, N>::empty();
                         o[0] = acc[a] * inv;
                         o[1] = acc[a + 1] * inv;
@@ -697,7 +735,12 @@ mod gpu {
                 super::MAX_ROWS
             ));
         }
-        if !(1..=8).contains(&cfg.warps) || cfg.splits == 0 || cfg.chunk == 0 || !cfg.chunk.is_multiple_of(32) {
+        if !(1..=8).contains(&cfg.warps)
+            || !super::HEADS_PER_WARP.contains(&cfg.hpw)
+            || cfg.splits == 0
+            || cfg.chunk == 0
+            || !cfg.chunk.is_multiple_of(32)
+        {
             return Err(format!("mla_attention: launch shape {cfg:?}"));
         }
         rows.validate(slots).map_err(|e| format!("mla_attention: {e}"))?;
@@ -730,7 +773,7 @@ mod gpu {
                 crate::cuda::gpu::scratch(client, [cfg.splits * pairs * r * 4, cfg.splits * pairs * 2 * 4]);
             (o_part, cfg.splits * pairs * r, ml_part)
         };
-        let count = CubeCount::Static(cfg.splits as u32, n as u32, heads.div_ceil(8 * cfg.warps) as u32);
+        let count = CubeCount::Static(cfg.splits as u32, n as u32, heads.div_ceil(cfg.hpw * cfg.warps) as u32);
         let address = AddressType::from_len((slots * d).max(o_len).max(n * heads * d));
         // SAFETY: sizes and page tables checked above (`validate`: every block a row reads is inside the cache);
         // the kernel reads `q` rows `< n` and heads `< heads`, positions `< row_len` through the tables, and writes
@@ -756,6 +799,7 @@ mod gpu {
                 r,
                 rot,
                 cfg.warps,
+                cfg.hpw,
             );
             if cfg.splits > 1 {
                 mla_combine_kernel::launch_unchecked::<R>(
@@ -860,32 +904,49 @@ mod tests {
     #[test]
     fn config_fits_shared_memory_and_covers_the_positions() {
         let c = AttentionConfig::new(8, 64, 8192, 576, 132, 227 * 1024).unwrap();
-        assert_eq!(c.warps, 8);
+        assert_eq!((c.warps, c.hpw), (8, 8));
         assert!(c.splits * c.chunk >= 8192 && c.chunk.is_multiple_of(32));
         assert!(8 * c.splits >= 120, "about every multiprocessor gets a block: {c:?}");
         // The H200 sweep's best shapes: batch 8 at 1k (16 slices of 64), batch 8 at 8k (16 of 512), batch 32 at 1k
         // (4 of 256: one wave of 128 blocks).
         assert_eq!(
             AttentionConfig::new(8, 64, 1024, 576, 132, 227 * 1024),
-            Some(AttentionConfig { warps: 8, splits: 16, chunk: 64 })
+            Some(AttentionConfig { warps: 8, hpw: 8, splits: 16, chunk: 64 })
         );
         assert_eq!(
             AttentionConfig::new(8, 64, 8192, 576, 132, 227 * 1024),
-            Some(AttentionConfig { warps: 8, splits: 16, chunk: 512 })
+            Some(AttentionConfig { warps: 8, hpw: 8, splits: 16, chunk: 512 })
         );
         assert_eq!(
             AttentionConfig::new(32, 64, 1024, 576, 132, 227 * 1024),
-            Some(AttentionConfig { warps: 8, splits: 4, chunk: 256 })
+            Some(AttentionConfig { warps: 8, hpw: 8, splits: 4, chunk: 256 })
         );
-        // One row over a short context: 32-position slices and two head groups of 4 warps (64 blocks).
+        // One row over a short context: 32-position slices, 2 heads a warp and 4 head groups of 8 warps (128
+        // blocks of short chains).
+        let c = AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024).unwrap();
+        assert_eq!(c, AttentionConfig { warps: 8, hpw: 2, splits: 32, chunk: 32 });
+        assert_eq!(c.blocks(1, 64), 128);
+        // Two and four rows over 1k: 4 heads a warp (the sweep's best shapes).
         assert_eq!(
-            AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024),
-            Some(AttentionConfig { warps: 4, splits: 32, chunk: 32 })
+            AttentionConfig::new(2, 64, 1024, 576, 132, 227 * 1024),
+            Some(AttentionConfig { warps: 8, hpw: 4, splits: 32, chunk: 32 })
         );
-        // SM120: 99 KiB per block allows one warp (8 heads) with a 576-wide latent tile.
+        assert_eq!(
+            AttentionConfig::new(4, 64, 1024, 576, 132, 227 * 1024),
+            Some(AttentionConfig { warps: 8, hpw: 4, splits: 16, chunk: 64 })
+        );
+        // SM120: 99 KiB per block allows one warp of 8 heads with a 576-wide latent tile, more of fewer heads.
         let c = AttentionConfig::new(1, 64, 1000, 576, 188, 99 * 1024).unwrap();
-        assert_eq!(c.warps, 1);
-        assert!(attention_shared_bytes(576, 1) <= 99 * 1024);
+        assert!(attention_shared_bytes(576, c.warps, c.hpw) <= 99 * 1024, "{c:?}");
+        assert!(attention_shared_bytes(576, 1, 8) <= 99 * 1024);
+        assert!(attention_shared_bytes(576, 2, 8) > 99 * 1024);
+        for rows in [1, 2, 8, 32, 128] {
+            for ctx in [1, 31, 1024, 8192] {
+                let c = AttentionConfig::new(rows, 64, ctx, 576, 188, 99 * 1024).unwrap();
+                assert!(attention_shared_bytes(576, c.warps, c.hpw) <= 99 * 1024, "{c:?}");
+                assert!(c.splits * c.chunk >= ctx && c.chunk.is_multiple_of(32), "{c:?}");
+            }
+        }
         // A prefill chunk of 1024 rows needs no split.
         assert_eq!(AttentionConfig::new(1024, 64, 1024, 576, 132, 227 * 1024).unwrap().splits, 1);
     }

@@ -240,7 +240,7 @@ fn define_copy(props: &DeviceProperties) -> KernelDefinition {
     b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
 }
 
-fn define_mla_attention(r: usize, rot: usize, warps: usize, props: &DeviceProperties) -> KernelDefinition {
+fn define_mla_attention(r: usize, rot: usize, warps: usize, hpw: usize, props: &DeviceProperties) -> KernelDefinition {
     use mla_attention_kernel::_N;
     type N = DynamicSize<_N>;
     let address = AddressType::U32;
@@ -272,6 +272,7 @@ fn define_mla_attention(r: usize, rot: usize, warps: usize, props: &DeviceProper
         r,
         rot,
         warps,
+        hpw,
     );
     let name = format!("mla_attention_kernel_n_{VEC}");
     b.build(
@@ -573,8 +574,8 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
             (define_combine(*hidden, *topk, *add, *address, &props), *address)
         }
         KernelSpec::Copy => (define_copy(&props), AddressType::U32),
-        KernelSpec::MlaAttention { r, rot, warps } => {
-            (define_mla_attention(*r, *rot, *warps, &props), AddressType::U32)
+        KernelSpec::MlaAttention { r, rot, warps, hpw } => {
+            (define_mla_attention(*r, *rot, *warps, *hpw, &props), AddressType::U32)
         }
         KernelSpec::MlaCombine { r } => (define_mla_combine(*r, &props), AddressType::U32),
         KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),

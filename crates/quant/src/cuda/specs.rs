@@ -312,8 +312,10 @@ pub enum KernelSpec {
         r: usize,
         /// Rotary width.
         rot: usize,
-        /// Warps per block (8 heads each).
+        /// Warps per block.
         warps: usize,
+        /// Heads per warp.
+        hpw: usize,
     },
     /// `attention::mla_combine_kernel` (merge of a row's slices).
     MlaCombine {
@@ -439,7 +441,7 @@ impl KernelSpec {
                 format!("combine hidden{hidden} topk{topk}{}", if *add { " +shared" } else { "" })
             }
             Self::Copy => "copy f32x4".into(),
-            Self::MlaAttention { r, rot, warps } => format!("mla_attention r{r} rot{rot} warps{warps}"),
+            Self::MlaAttention { r, rot, warps, hpw } => format!("mla_attention r{r} rot{rot} warps{warps} hpw{hpw}"),
             Self::MlaCombine { r } => format!("mla_combine r{r}"),
             Self::Gemv { k, cfg } => {
                 let c = cfg;
@@ -524,12 +526,14 @@ pub const KIMI_DENSE_K: [usize; 6] = [7168, 1536, 512, 8192, 2048, 18432];
 /// combine; then every GEMV and SwiGLU-GEMV specialisation for inputs of the widths `ks` (all token-pass widths and
 /// the block shapes `GemvConfig::for_shape` picks), and the prefill GEMM's split and sum kernels.
 pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit: usize) -> Vec<KernelSpec> {
-    use crate::cuda::attention::attention_shared_bytes;
+    use crate::cuda::attention::{HEADS_PER_WARP, attention_shared_bytes};
     use crate::cuda::dense::GemvConfig;
     let mut out = Vec::new();
-    for warps in 1..=8 {
-        if attention_shared_bytes(r + rot, warps) <= smem_limit {
-            out.push(KernelSpec::MlaAttention { r, rot, warps });
+    for hpw in HEADS_PER_WARP {
+        for warps in 1..=8 {
+            if attention_shared_bytes(r + rot, warps, hpw) <= smem_limit {
+                out.push(KernelSpec::MlaAttention { r, rot, warps, hpw });
+            }
         }
     }
     out.push(KernelSpec::MlaCombine { r });
@@ -653,10 +657,23 @@ mod tests {
     #[test]
     fn attention_specs_fit_the_device() {
         let h200 = attention_and_dense_specs(512, 64, &[7168], 232_448);
-        assert!(h200.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 8 }));
+        for hpw in [2, 4, 8] {
+            assert!(h200.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 8, hpw }));
+        }
         let sm120 = attention_and_dense_specs(512, 64, &[7168], 101_376);
-        assert!(sm120.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 1 }));
-        assert!(!sm120.iter().any(|s| matches!(s, KernelSpec::MlaAttention { warps: 2.., .. })));
+        assert!(sm120.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 1, hpw: 8 }));
+        assert!(!sm120.iter().any(|s| matches!(s, KernelSpec::MlaAttention { warps: 2.., hpw: 8, .. })));
+        // Every shape the launcher picks on SM120 is in the list.
+        for (rows, ctx) in [(1, 64), (1, 1024), (1, 8192), (8, 1024), (8, 8192), (32, 1024), (1024, 1024)] {
+            for heads in [8, 16, 32, 64, 128] {
+                let c = crate::cuda::attention::AttentionConfig::new(rows, heads, ctx, 576, 188, 101_376).unwrap();
+                let spec = KernelSpec::MlaAttention { r: 512, rot: 64, warps: c.warps, hpw: c.hpw };
+                assert!(sm120.contains(&spec), "{rows} rows x {ctx}, {heads} heads: {c:?}");
+                let c = crate::cuda::attention::AttentionConfig::new(rows, heads, ctx, 576, 132, 232_448).unwrap();
+                let spec = KernelSpec::MlaAttention { r: 512, rot: 64, warps: c.warps, hpw: c.hpw };
+                assert!(h200.contains(&spec), "{rows} rows x {ctx}, {heads} heads: {c:?}");
+            }
+        }
         assert!(sm120.iter().filter(|s| matches!(s, KernelSpec::Gemv { .. })).count() >= 4);
     }
 
