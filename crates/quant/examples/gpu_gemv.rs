@@ -1,5 +1,6 @@
-//! GPU check and benchmark of the dense BF16-weight GEMV (`eyrie_quant::cuda::dense`, issue 4) at Kimi-K2's
-//! dense Linear shapes; runs on a CUDA machine, built with `--features cuda`.
+//! GPU check and benchmark of the dense BF16-weight GEMV at Kimi-K2's dense Linear shapes, both kernels: the
+//! CUDA-core one (`eyrie_quant::cuda::dense`) and the tensor-core one (`eyrie_quant::cuda::dense_mma`, also in its
+//! gated SwiGLU form on the gate/up shapes) (issue 4); runs on a CUDA machine, built with `--features cuda`.
 //!
 //! ```text
 //! gpu_gemv [--json FILE]
@@ -21,7 +22,8 @@ use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
 use eyrie_quant::cuda::copy_bandwidth;
-use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16, gemv_reference};
+use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16, gemv_reference, swiglu_reference};
+use eyrie_quant::cuda::dense_mma::{MmaGemvConfig, gemv_mma};
 
 type R = CudaRuntime;
 
@@ -42,7 +44,36 @@ const SHAPES: [(&str, usize, usize); 11] = [
     ("lm_head", 163840, 7168),
 ];
 
-const TOKENS: [usize; 5] = [1, 2, 4, 8, 16];
+const TOKENS: [usize; 7] = [1, 2, 4, 6, 8, 12, 16];
+
+/// Median seconds of one call: 9 runs of 20 back-to-back calls between device syncs, call `i` on weight copy `i`.
+fn time(client: &ComputeClient<R>, mut call: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    let mut times = Vec::new();
+    for _ in 0..9 {
+        sync(client)?;
+        let t = Instant::now();
+        for i in 0..20 {
+            call(i)?;
+        }
+        sync(client)?;
+        times.push(t.elapsed().as_secs_f64() / 20.0);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[4])
+}
+
+/// Norm-wise error of `got` `[n, rows]` against `want` `[n, checked rows]`.
+fn error(got: &[f32], want: &[f32], n: usize, rows: usize, checked: &[usize]) -> f64 {
+    let (mut diff, mut scale) = (0.0f64, 0.0f64);
+    for t in 0..n {
+        for (j, &r) in checked.iter().enumerate() {
+            let (g, e) = (f64::from(got[t * rows + r]), f64::from(want[t * checked.len() + j]));
+            diff = diff.max((g - e).abs());
+            scale = scale.max(e.abs());
+        }
+    }
+    diff / scale.max(f64::MIN_POSITIVE)
+}
 
 fn sync(client: &ComputeClient<R>) -> Result<()> {
     burn::cubecl::future::block_on(client.sync()).map_err(|e| anyhow::anyhow!("device sync: {e:?}"))
@@ -70,7 +101,7 @@ fn main() -> Result<()> {
     let copy_bw = copy_bandwidth(&client).map_err(anyhow::Error::msg)?;
     println!("copy bandwidth: {:.0} GB/s", copy_bw / 1e9);
     println!(
-        "| matrix | rows x k | n | check (norm-wise) | us/call | GB/s | % of copy BW |\n|---|---|---|---|---|---|---|"
+        "| matrix | rows x k | n | kernel | check (norm-wise) | us/call | GB/s | % of copy BW |\n|---|---|---|---|---|---|---|---|"
     );
 
     let mut failed = false;
@@ -94,41 +125,79 @@ fn main() -> Result<()> {
             let got =
                 f32::from_bytes(&client.read_one(out.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?).to_vec();
             let want = gemv_reference(&x, &w_checked, n, checked.len(), k);
-            let (mut diff, mut scale) = (0.0f64, 0.0f64);
-            for t in 0..n {
-                for (j, &r) in checked.iter().enumerate() {
-                    let (g, e) = (f64::from(got[t * rows + r]), f64::from(want[t * checked.len() + j]));
-                    diff = diff.max((g - e).abs());
-                    scale = scale.max(e.abs());
-                }
-            }
-            let err = diff / scale.max(f64::MIN_POSITIVE);
+            let err = error(&got, &want, n, rows, &checked);
             let ok = err <= TOL && got.iter().all(|v| v.is_finite());
             failed |= !ok;
-
-            let mut times = Vec::new();
-            for _ in 0..9 {
-                sync(&client)?;
-                let t = Instant::now();
-                for i in 0..20 {
-                    gemv_bf16(&client, &x_dev, &w_dev[i % copies], &out, n, rows, k, cfg)
-                        .map_err(anyhow::Error::msg)?;
-                }
-                sync(&client)?;
-                times.push(t.elapsed().as_secs_f64() / 20.0);
-            }
-            times.sort_by(f64::total_cmp);
-            let secs = times[4];
+            let secs = time(&client, |i| {
+                gemv_bf16(&client, &x_dev, &w_dev[i % copies], &out, n, rows, k, cfg).map_err(anyhow::Error::msg)
+            })?;
             let moved = (bytes_w + n * k * 4 + n * rows * 4) as f64;
-            let gbs = moved / secs / 1e9;
-            println!(
-                "| {name} | {rows} x {k} | {n} | {err:.1e} {} | {:.1} | {gbs:.0} | {:.0} |",
-                if ok { "ok" } else { "FAIL" },
-                secs * 1e6,
-                100.0 * moved / secs / copy_bw
-            );
-            rows_json.push(serde_json::json!({"matrix": name, "rows": rows, "k": k, "n": n, "error": err, "ok": ok,
-                "us": secs * 1e6, "gb_s": gbs, "pct_copy_bw": 100.0 * moved / secs / copy_bw}));
+            let mut report = |kernel: &str, err: f64, ok: bool, secs: f64| {
+                let gbs = moved / secs / 1e9;
+                println!(
+                    "| {name} | {rows} x {k} | {n} | {kernel} | {err:.1e} {} | {:.1} | {gbs:.0} | {:.0} |",
+                    if ok { "ok" } else { "FAIL" },
+                    secs * 1e6,
+                    100.0 * moved / secs / copy_bw
+                );
+                rows_json.push(serde_json::json!({"matrix": name, "rows": rows, "k": k, "n": n, "kernel": kernel,
+                    "error": err, "ok": ok, "us": secs * 1e6, "gb_s": gbs, "pct_copy_bw": 100.0 * moved / secs / copy_bw}));
+            };
+            report("cuda cores", err, ok, secs);
+
+            // The tensor-core GEMV at the same shape.
+            if let Some(mcfg) = MmaGemvConfig::new(n, rows, k, false, 132) {
+                let out = client.empty(n * rows * 4);
+                gemv_mma(&client, &x_dev, &w_dev[0], None, &out, n, rows, k, mcfg).map_err(anyhow::Error::msg)?;
+                let got = f32::from_bytes(&client.read_one(out.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?)
+                    .to_vec();
+                let err = error(&got, &want, n, rows, &checked);
+                let ok = err <= TOL && got.iter().all(|v| v.is_finite());
+                failed |= !ok;
+                let secs = time(&client, |i| {
+                    gemv_mma(&client, &x_dev, &w_dev[i % copies], None, &out, n, rows, k, mcfg)
+                        .map_err(anyhow::Error::msg)
+                })?;
+                report(
+                    &format!("tensor cores (bv {} ksplit {} tasks {})", mcfg.bv, mcfg.ksplit, mcfg.tasks),
+                    err,
+                    ok,
+                    secs,
+                );
+            }
+            // Gated (SwiGLU: this matrix as the gate and a second one as the up projection) on the gate/up shapes.
+            if name.ends_with("gate/up")
+                && let Some(mcfg) = MmaGemvConfig::new(n, rows, k, true, 132)
+            {
+                let wu: Vec<u16> = w.iter().rev().copied().collect();
+                let wu_dev = client.create_from_slice(u16::as_bytes(&wu));
+                let wu_checked: Vec<u16> =
+                    checked.iter().flat_map(|&r| wu[r * k..(r + 1) * k].iter().copied()).collect();
+                let want = swiglu_reference(&x, &w_checked, &wu_checked, n, checked.len(), k);
+                let out = client.empty(n * rows * 4);
+                gemv_mma(&client, &x_dev, &w_dev[0], Some(&wu_dev), &out, n, rows, k, mcfg)
+                    .map_err(anyhow::Error::msg)?;
+                let got = f32::from_bytes(&client.read_one(out.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?)
+                    .to_vec();
+                let err = error(&got, &want, n, rows, &checked);
+                let ok = err <= TOL && got.iter().all(|v| v.is_finite());
+                failed |= !ok;
+                let secs = time(&client, |i| {
+                    gemv_mma(&client, &x_dev, &w_dev[i % copies], Some(&wu_dev), &out, n, rows, k, mcfg)
+                        .map_err(anyhow::Error::msg)
+                })?;
+                // Two matrices' bytes (the up copy is the same every call: its reads may hit the L2).
+                let moved2 = (2 * bytes_w + n * k * 4 + n * rows * 4) as f64;
+                let gbs = moved2 / secs / 1e9;
+                println!(
+                    "| {name} | 2 x {rows} x {k} | {n} | tensor cores, gated | {err:.1e} {} | {:.1} | {gbs:.0} | {:.0} |",
+                    if ok { "ok" } else { "FAIL" },
+                    secs * 1e6,
+                    100.0 * moved2 / secs / copy_bw
+                );
+                rows_json.push(serde_json::json!({"matrix": name, "rows": rows, "k": k, "n": n,
+                    "kernel": "tensor cores, gated", "error": err, "ok": ok, "us": secs * 1e6, "gb_s": gbs}));
+            }
         }
     }
     if let Some(path) = json {

@@ -1,9 +1,12 @@
 //! BF16-weight Linears on CUDA: decode widths through eyrie-quant's GEMV (and the SwiGLU GEMV for an MLP's gate and
-//! up), prefill widths through its f32-precision cuBLAS GEMM (a cuBLAS handle per thread and device).
+//! up): on the CUDA cores up to [`gemv_max_tokens`] rows, on tensor cores (f32-exact, `dense_mma`) up to
+//! [`mma_gemv_max_tokens`]; wider inputs through its f32-precision cuBLAS GEMM (a cuBLAS handle per thread and
+//! device).
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor};
 use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16, gemv_swiglu};
+use eyrie_quant::cuda::dense_mma::{MMA_GEMV_MAX_TOKENS, MmaGemvConfig, gemv_mma};
 use eyrie_quant::cuda::gemm::{Blas, gemm_f32_bf16w};
 
 use super::{Cube, back, float, is_cuda};
@@ -36,23 +39,69 @@ pub fn gemv_max_tokens() -> usize {
     })
 }
 
-/// `x` `[n, k]` f32 times `W^T` for `W` `[rows, k]` BF16 through eyrie-quant's GEMV kernel, or `None` (not CUDA,
-/// other dtypes, more than [`gemv_max_tokens`] rows, `k` not a multiple of 8).
+/// Most tokens a step sends through the tensor-core GEMV by default (above [`gemv_max_tokens`]); wider inputs take
+/// `gemm`. Measured on the H200 (bench/REPORT.md, session 11; a 10-layer slice at 1k, ms a step): 8 rows 9.1 against
+/// cuBLAS's 9.4, 16 rows 14.7 against 12.5.
+pub const MMA_GEMV_DEFAULT_MAX_TOKENS: usize = 8;
+
+/// Most tokens a step sends through the tensor-core GEMV (above [`gemv_max_tokens`]): [`MMA_GEMV_DEFAULT_MAX_TOKENS`],
+/// or `EYRIE_MMA_GEMV_MAX_TOKENS` (read once; up to the kernel's [`MMA_GEMV_MAX_TOKENS`]; 0 turns the tensor-core
+/// GEMV off: those widths take `gemm`).
+pub fn mma_gemv_max_tokens() -> usize {
+    static MAX: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("EYRIE_MMA_GEMV_MAX_TOKENS") {
+        Err(std::env::VarError::NotPresent) => MMA_GEMV_DEFAULT_MAX_TOKENS,
+        Ok(v) => match v.parse::<usize>() {
+            Ok(n) if n <= MMA_GEMV_MAX_TOKENS => n,
+            _ => {
+                eprintln!(
+                    "eyrie: warning: EYRIE_MMA_GEMV_MAX_TOKENS={v:?} is not an integer in 0..={MMA_GEMV_MAX_TOKENS}; \
+                     using {MMA_GEMV_DEFAULT_MAX_TOKENS}"
+                );
+                MMA_GEMV_DEFAULT_MAX_TOKENS
+            }
+        },
+        Err(e) => {
+            eprintln!("eyrie: warning: EYRIE_MMA_GEMV_MAX_TOKENS: {e}; using {MMA_GEMV_DEFAULT_MAX_TOKENS}");
+            MMA_GEMV_DEFAULT_MAX_TOKENS
+        }
+    })
+}
+
+/// The multiprocessors of `client`'s device.
+fn sms_of<R: burn::cubecl::Runtime>(client: &burn::cubecl::prelude::ComputeClient<R>) -> usize {
+    client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize
+}
+
+/// `x` `[n, k]` f32 times `W^T` for `W` `[rows, k]` BF16 through eyrie-quant's GEMV kernels (CUDA cores up to
+/// [`gemv_max_tokens`] rows, tensor cores up to [`mma_gemv_max_tokens`] where the shape allows), or `None` (not
+/// CUDA, other dtypes, wider inputs, `k` not a multiple of 8).
 pub(crate) fn gemv<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Tensor<B, 2>> {
     let [n, k] = x.dims();
     let [rows, kw] = w.dims();
-    if !is_cuda::<B>() || n == 0 || n > gemv_max_tokens() || kw != k || !k.is_multiple_of(8) {
+    if !is_cuda::<B>() || n == 0 || n > gemv_max_tokens().max(mma_gemv_max_tokens()) || kw != k || !k.is_multiple_of(8)
+    {
         return None;
     }
     if w.dtype() != DType::BF16 || x.dtype() != DType::F32 {
         return None;
     }
+    let mma = if n > gemv_max_tokens() { Some(MmaGemvConfig::new(n, rows, k, false, 132)?) } else { None };
     let xc = float(x.clone())?;
     let wc = float(w.clone())?;
     let client = xc.client.clone();
     let out = client.empty(n * rows * 4);
-    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
-    gemv_bf16(&client, &xc.handle, &wc.handle, &out, n, rows, k, GemvConfig::for_shape(n, rows, k, 2 * sms)).ok()?;
+    let sms = sms_of(&client);
+    match mma {
+        Some(_) => {
+            let cfg = MmaGemvConfig::new(n, rows, k, false, sms)?;
+            gemv_mma(&client, &xc.handle, &wc.handle, None, &out, n, rows, k, cfg).ok()?;
+        }
+        None => {
+            let cfg = GemvConfig::for_shape(n, rows, k, 2 * sms);
+            gemv_bf16(&client, &xc.handle, &wc.handle, &out, n, rows, k, cfg).ok()?;
+        }
+    }
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
 }
 
@@ -65,20 +114,30 @@ pub(crate) fn gemv_swiglu_pair<B: Backend>(
 ) -> Option<Tensor<B, 2>> {
     let [n, k] = x.dims();
     let [rows, kw] = wg.dims();
-    if !is_cuda::<B>() || n == 0 || n > gemv_max_tokens() || kw != k || !k.is_multiple_of(8) || wu.dims() != [rows, k] {
+    let max = gemv_max_tokens().max(mma_gemv_max_tokens());
+    if !is_cuda::<B>() || n == 0 || n > max || kw != k || !k.is_multiple_of(8) || wu.dims() != [rows, k] {
         return None;
     }
     if wg.dtype() != DType::BF16 || wu.dtype() != DType::BF16 || x.dtype() != DType::F32 {
         return None;
     }
+    let mma = if n > gemv_max_tokens() { Some(MmaGemvConfig::new(n, rows, k, true, 132)?) } else { None };
     let xc = float(x.clone())?;
     let gc = float(wg.clone())?;
     let uc = float(wu.clone())?;
     let client = xc.client.clone();
     let out = client.empty(n * rows * 4);
-    let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
-    let cfg = GemvConfig::for_swiglu(n, rows, k, 2 * sms);
-    gemv_swiglu(&client, &xc.handle, &gc.handle, &uc.handle, &out, n, rows, k, cfg).ok()?;
+    let sms = sms_of(&client);
+    match mma {
+        Some(_) => {
+            let cfg = MmaGemvConfig::new(n, rows, k, true, sms)?;
+            gemv_mma(&client, &xc.handle, &gc.handle, Some(&uc.handle), &out, n, rows, k, cfg).ok()?;
+        }
+        None => {
+            let cfg = GemvConfig::for_swiglu(n, rows, k, 2 * sms);
+            gemv_swiglu(&client, &xc.handle, &gc.handle, &uc.handle, &out, n, rows, k, cfg).ok()?;
+        }
+    }
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
 }
 

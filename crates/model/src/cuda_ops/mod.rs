@@ -24,7 +24,7 @@ pub mod rope;
 pub use eyrie_quant::cuda::mla::{mla_latent_kernel, mla_output_kernel, mla_query_kernel};
 pub use eyrie_quant::cuda::norm::rms_norm_kernel;
 pub use eyrie_quant::cuda::rope::rope_rows_kernel;
-pub use linear::{GEMV_MAX_TOKENS, gemv_max_tokens};
+pub use linear::{GEMV_MAX_TOKENS, gemv_max_tokens, mma_gemv_max_tokens};
 pub(crate) use linear::{gemm, gemv, gemv_swiglu_pair};
 pub use mla::{MlaDims, mla_absorbed, mla_latent_write};
 pub(crate) use mla::{mla_attention, write_rows};

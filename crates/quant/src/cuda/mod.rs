@@ -13,6 +13,7 @@
 
 pub mod attention;
 pub mod dense;
+pub mod dense_mma;
 pub mod experts;
 pub mod gemm;
 pub mod reference;

@@ -334,6 +334,46 @@ fn define_gemv(k: usize, cfg: &super::dense::GemvConfig, props: &DevicePropertie
     )
 }
 
+fn define_gemv_mma(k: usize, cfg: &super::dense_mma::MmaGemvConfig, props: &DeviceProperties) -> KernelDefinition {
+    use super::dense_mma::gemv_mma_kernel;
+    use gemv_mma_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let xs = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let w = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let wu = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let tokens = <u32 as LaunchArg>::expand(&(), &mut b);
+    let rows = <u32 as LaunchArg>::expand(&(), &mut b);
+    let c = cfg;
+    gemv_mma_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        xs,
+        w,
+        wu,
+        out,
+        tokens,
+        rows,
+        k,
+        c.tb,
+        c.tasks,
+        c.ksplit,
+        c.bv,
+        c.gated,
+    );
+    let name = format!("gemv_mma_kernel_n_{VEC}");
+    b.build(
+        KernelSettings::default()
+            .cube_dim(CubeDim::new_2d(32, (cfg.tasks * cfg.ksplit) as u32))
+            .address_type(address)
+            .kernel_name(name),
+    )
+}
+
 fn define_gemv_swiglu(k: usize, cfg: &super::dense::GemvConfig, props: &DeviceProperties) -> KernelDefinition {
     use gemv_swiglu_kernel::_N;
     type N = DynamicSize<_N>;
@@ -580,6 +620,7 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::MlaCombine { r } => (define_mla_combine(*r, &props), AddressType::U32),
         KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvSwiglu { k, cfg } => (define_gemv_swiglu(*k, cfg, &props), AddressType::U32),
+        KernelSpec::GemvMma { k, cfg } => (define_gemv_mma(*k, cfg, &props), AddressType::U32),
         KernelSpec::SplitBf16x3 => (define_split_bf16x3(&props), AddressType::U32),
         KernelSpec::Sum3 => (define_sum3(&props), AddressType::U32),
         KernelSpec::Route { experts, n_group, topk_group, top_k, norm } => {

@@ -329,6 +329,13 @@ pub enum KernelSpec {
         /// Launch shape.
         cfg: crate::cuda::dense::GemvConfig,
     },
+    /// `dense_mma::gemv_mma_kernel` (the BF16-weight GEMV on tensor cores, plain or gated).
+    GemvMma {
+        /// Input width.
+        k: usize,
+        /// Launch shape.
+        cfg: crate::cuda::dense_mma::MmaGemvConfig,
+    },
     /// `dense::gemv_swiglu_kernel` (an MLP's gate and up GEMVs with SiLU * up).
     GemvSwiglu {
         /// Input width.
@@ -420,6 +427,7 @@ impl KernelSpec {
             Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
             Self::Gemv { cfg, .. } | Self::GemvSwiglu { cfg, .. } => CubeDim::new_2d(32, cfg.warps as u32),
+            Self::GemvMma { cfg, .. } => CubeDim::new_2d(32, (cfg.tasks * cfg.ksplit) as u32),
             Self::SplitBf16x3 | Self::Sum3 => CubeDim::new_1d(256),
             Self::Route { .. } => CubeDim::new_1d(crate::cuda::router::ROUTE_THREADS as u32),
             Self::Group { experts } => CubeDim::new_1d(experts.next_power_of_two().max(32) as u32),
@@ -455,6 +463,17 @@ impl KernelSpec {
                 format!(
                     "gemv_swiglu k{k} warps{} rows{} tb{} ksplit{} unroll{}",
                     c.warps, c.rows_at_once, c.tb, c.ksplit, c.unroll
+                )
+            }
+            Self::GemvMma { k, cfg } => {
+                let c = cfg;
+                format!(
+                    "gemv_mma k{k} tb{} tasks{} ksplit{} bv{}{}",
+                    c.tb,
+                    c.tasks,
+                    c.ksplit,
+                    c.bv,
+                    if c.gated { " gated" } else { "" }
                 )
             }
             Self::SplitBf16x3 => "split_bf16x3".into(),
@@ -545,6 +564,14 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
                 for spec in [KernelSpec::Gemv { k, cfg }, KernelSpec::GemvSwiglu { k, cfg: swiglu }] {
                     if !out.contains(&spec) {
                         out.push(spec);
+                    }
+                }
+                for gated in [false, true] {
+                    if let Some(cfg) = crate::cuda::dense_mma::MmaGemvConfig::new(n, rows, k, gated, 132) {
+                        let spec = KernelSpec::GemvMma { k, cfg };
+                        if !out.contains(&spec) {
+                            out.push(spec);
+                        }
                     }
                 }
             }
