@@ -159,7 +159,10 @@ fn main() -> Result<()> {
                         .map_err(anyhow::Error::msg)
                 })?;
                 report(
-                    &format!("tensor cores (bv {} ksplit {} tasks {})", mcfg.bv, mcfg.ksplit, mcfg.tasks),
+                    &format!(
+                        "tensor cores (bv {} tiles {} ksplit {} tasks {})",
+                        mcfg.bv, mcfg.tiles, mcfg.ksplit, mcfg.tasks
+                    ),
                     err,
                     ok,
                     secs,

@@ -303,7 +303,7 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     json!({"k": k, "warps": cfg.warps, "rows_at_once": cfg.rows_at_once, "tb": cfg.tb})
                 }
                 KernelSpec::GemvMma { k, cfg } => json!({
-                    "k": k, "tb": cfg.tb, "tasks": cfg.tasks, "ksplit": cfg.ksplit, "bv": cfg.bv, "gated": cfg.gated,
+                    "k": k, "tb": cfg.tb, "tiles": cfg.tiles, "tasks": cfg.tasks, "ksplit": cfg.ksplit, "bv": cfg.bv, "gated": cfg.gated,
                 }),
                 KernelSpec::SplitBf16x3 | KernelSpec::Sum3 => json!({}),
                 KernelSpec::Route { experts, n_group, topk_group, top_k, norm } => json!({

@@ -40,9 +40,9 @@ pub fn gemv_max_tokens() -> usize {
 }
 
 /// Most tokens a step sends through the tensor-core GEMV by default (above [`gemv_max_tokens`]); wider inputs take
-/// `gemm`. Measured on the H200 (bench/REPORT.md, session 11; a 10-layer slice at 1k, ms a step): 8 rows 9.1 against
-/// cuBLAS's 9.4, 16 rows 14.7 against 12.5.
-pub const MMA_GEMV_DEFAULT_MAX_TOKENS: usize = 8;
+/// `gemm`. Measured on the H200 (bench/REPORT.md, session 11; a 10-layer slice at 1k, ms a step, tensor-core GEMV /
+/// cuBLAS): 6 rows 7.3 / 8.9, 8 rows 8.3 / 9.4, 12 rows 10.5 / 10.7, 16 rows 13.3 / 12.5.
+pub const MMA_GEMV_DEFAULT_MAX_TOKENS: usize = 12;
 
 /// Most tokens a step sends through the tensor-core GEMV (above [`gemv_max_tokens`]): [`MMA_GEMV_DEFAULT_MAX_TOKENS`],
 /// or `EYRIE_MMA_GEMV_MAX_TOKENS` (read once; up to the kernel's [`MMA_GEMV_MAX_TOKENS`]; 0 turns the tensor-core

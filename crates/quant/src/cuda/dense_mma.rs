@@ -13,9 +13,9 @@
 //!   column per part and token: column `3 t + p` is part `p` of token `t`, so one MMA covers 2 tokens and
 //!   `ceil(3 tb / 8)` MMAs cover `tb`. Every product of two BF16s is exact in f32; a token's parts are added in f32
 //!   at the end.
-//! - Accumulation: each block of `32 bv` columns (`2 bv` MMAs chained through the tensor core's accumulator, at
-//!   most 128 products) starts from zero and is added into f32 registers, so the tensor core's truncating adds
-//!   never run long (`super::gemm` measured what long chains cost).
+//! - Accumulation: each stretch of 128 columns (8 MMAs chained through the tensor core's accumulator) starts from
+//!   zero and is added into f32 registers, so the tensor core's truncating adds never run long (`super::gemm`
+//!   measured what long chains cost).
 //!
 //! # The K order is the lanes' own
 //!
@@ -30,9 +30,9 @@
 //!
 //! # Work split
 //!
-//! One warp task = one 16-row tile (gated: a gate tile and the matching up tile, sharing B). `ksplit` warps share a
-//! task, each taking every `ksplit`-th block of `32 bv` columns, and add up through shared memory; `tasks` tasks a
-//! block. A warp loads its next block while it computes the current one (two register sets). B comes from global
+//! One warp task = `tiles` consecutive 16-row tiles (gated: a gate tile and the matching up tile), all sharing the
+//! B registers. `ksplit` warps share a task, each taking every `ksplit`-th stretch of 128 columns (loaded in blocks
+//! of `32 bv`), and add up through shared memory; `tasks` tasks a block. A warp loads its next block while it computes the current one (two register sets). B comes from global
 //! memory (L1/L2-resident: every warp reads the same few KB of split activations).
 //!
 //! The CPU model of the index algebra is the test below; the GPU check against [`super::dense::gemv_reference`]
@@ -46,7 +46,9 @@ pub const MMA_GEMV_MAX_TOKENS: usize = 16;
 pub struct MmaGemvConfig {
     /// Most tokens of the launch: `ceil(3 tb / 8)` n tiles of 8 B columns (`tb` = the most the tiles hold).
     pub tb: usize,
-    /// Warp tasks (16-row tiles) a block.
+    /// 16-row m tiles a warp task computes (sharing the B registers; gated: 1, the gate tile and its up tile).
+    pub tiles: usize,
+    /// Warp tasks a block.
     pub tasks: usize,
     /// Warps sharing a task, each taking every `ksplit`-th block of columns.
     pub ksplit: usize,
@@ -57,17 +59,13 @@ pub struct MmaGemvConfig {
 }
 
 impl MmaGemvConfig {
-    /// Registers a lane needs, estimated: two sets of A (`2 m tiles x bv` vectors) and B (`n tiles x bv`), and
-    /// two accumulator sets (`m tiles x n tiles x 4`).
-    fn registers(ntiles: usize, gated: bool, bv: usize) -> usize {
-        let mtiles = if gated { 2 } else { 1 };
-        4 * (2 * 2 * mtiles * bv + 2 * ntiles * bv) + 2 * mtiles * ntiles * 4 + 30
-    }
-
     /// The launch shape for `n` tokens (1 to [`MMA_GEMV_MAX_TOKENS`]) of a `[rows, k]` matrix (`k` a multiple of
     /// 128, `rows` of 16) on a device of `sms` multiprocessors, or `None` when the kernel does not take the shape.
-    /// The widest blocks whose registers stay near 168 a lane; then k-split warps (up to 8, each keeping 4 or more
-    /// blocks) until about 16 warps a multiprocessor have a task.
+    /// Blocks of 128 columns a lane-load at up to 5 tokens (2 n tiles), 64 columns and two m tiles a task sharing B
+    /// at up to 10, 32 columns and two m tiles above (the B operands come from L1 and would cost more load
+    /// instructions than the weights otherwise: session 11's first kernel, one m tile and 32 columns at 16 tokens, ran
+    /// at 18-27% of the bandwidth); gated: 64 columns up to 10 tokens, 32 above. Then k-split warps (up to 8, each
+    /// keeping 4 or more blocks of 128 columns) until about 16 warps a multiprocessor have a task.
     pub fn new(n: usize, rows: usize, k: usize, gated: bool, sms: usize) -> Option<Self> {
         if n == 0
             || n > MMA_GEMV_MAX_TOKENS
@@ -80,18 +78,24 @@ impl MmaGemvConfig {
         }
         let ntiles = (3 * n).div_ceil(8);
         let tb = 8 * ntiles / 3;
-        let bv = [4, 2, 1].into_iter().find(|&bv| Self::registers(ntiles, gated, bv) <= 168).unwrap_or(1);
-        if Self::registers(ntiles, gated, bv) > 210 {
-            return None;
+        let (bv, mut tiles) = match (gated, ntiles) {
+            (false, 1..=2) => (4, 1),
+            (false, 3..=4) => (2, 2),
+            (false, _) => (1, 2),
+            (true, 1..=4) => (2, 1),
+            (true, _) => (1, 1),
+        };
+        if !rows.is_multiple_of(16 * tiles) {
+            tiles = 1;
         }
-        let task_count = rows / 16;
-        let nblk = k / (32 * bv);
+        let task_count = rows / (16 * tiles);
+        let superblocks = k / 128;
         let mut ksplit = 1;
-        while ksplit < 8 && task_count * ksplit < 16 * sms && nblk >= 8 * ksplit {
+        while ksplit < 8 && task_count * ksplit < 16 * sms && superblocks >= 8 * ksplit {
             ksplit *= 2;
         }
         let tasks = (8 / ksplit).min(task_count).max(1);
-        Some(Self { tb, tasks, ksplit, bv, gated })
+        Some(Self { tb, tiles, tasks, ksplit, bv, gated })
     }
 
     /// B tiles of 8 columns (3 a token).
@@ -99,14 +103,19 @@ impl MmaGemvConfig {
         (3 * self.tb).div_ceil(8)
     }
 
+    /// Rows of one warp task.
+    pub fn task_rows(&self) -> usize {
+        16 * self.tiles
+    }
+
     /// Blocks of a launch over `rows` rows.
     pub fn blocks(&self, rows: usize) -> usize {
-        (rows / 16).div_ceil(self.tasks)
+        (rows / self.task_rows()).div_ceil(self.tasks)
     }
 
     /// Shared memory of a block: the k-split warps' accumulators.
     pub fn shared_bytes(&self) -> usize {
-        let mtiles = if self.gated { 2 } else { 1 };
+        let mtiles = if self.gated { 2 } else { self.tiles };
         if self.ksplit > 1 { 4 * self.tasks * self.ksplit * mtiles * self.ntiles() * 4 * 32 } else { 4 }
     }
 }
@@ -124,9 +133,9 @@ mod gpu {
 
     use super::MmaGemvConfig;
 
-    /// Loads block `blk` for one lane: the A vectors of rows `g`, `g + 8` of each m tile (`wrow`: the rows' first
-    /// vectors; gated: m tile 0 from `w`, 1 from `wu`), and the B vectors of the lane's column in each n tile
-    /// (zeros where the lane has no column).
+    /// Loads block `blk` for one lane: the A vectors of rows `g`, `g + 8` of each m tile (`wrow[2 mt + h]`: the
+    /// rows' first vectors; gated: m tile 0 from `w`, 1 from `wu`), and the B vectors of the lane's column in each n
+    /// tile (zeros where the lane has no column).
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn load_block<N: Size>(
@@ -141,17 +150,27 @@ mod gpu {
         blk: usize,
         c: usize,
         #[comptime] ntiles: usize,
+        #[comptime] mtiles: usize,
         #[comptime] bv: usize,
         #[comptime] gated: bool,
     ) {
         let v0 = blk * comptime!(4 * bv) + c;
         #[unroll]
-        for h in 0..2usize {
+        for mt in 0..mtiles {
             #[unroll]
-            for b in 0..bv {
-                wa[h * bv + b] = w[wrow[h] + v0 + 4 * b];
-                if gated {
-                    wa[(2 + h) * bv + b] = wu[wrow[h] + v0 + 4 * b];
+            for h in 0..2usize {
+                #[unroll]
+                for b in 0..bv {
+                    let idx = wrow[2 * mt + h] + v0 + 4 * b;
+                    if gated {
+                        if mt == 0 {
+                            wa[(2 * mt + h) * bv + b] = w[idx];
+                        } else {
+                            wa[(2 * mt + h) * bv + b] = wu[idx];
+                        }
+                    } else {
+                        wa[(2 * mt + h) * bv + b] = w[idx];
+                    }
                 }
             }
         }
@@ -189,6 +208,7 @@ mod gpu {
         rows: u32,
         #[comptime] k: usize,
         #[comptime] tb: usize,
+        #[comptime] tiles: usize,
         #[comptime] tasks: usize,
         #[comptime] ksplit: usize,
         #[comptime] bv: usize,
@@ -203,8 +223,11 @@ mod gpu {
 
         let kv = comptime!(k / 8);
         let nblk = comptime!(k / (32 * bv));
+        // Blocks a tensor-core chain: 128 columns.
+        let fl = comptime!(4 / bv);
+        let nsb = comptime!(k / 128);
         let ntiles = comptime!((3 * tb).div_ceil(8));
-        let mtiles = comptime!(if gated { 2 } else { 1 });
+        let mtiles = comptime!(if gated { 2 } else { tiles });
         let nacc = comptime!(mtiles * (3 * tb).div_ceil(8) * 4);
         let nwa = comptime!(2 * mtiles * bv);
         let nxb = comptime!((3 * tb).div_ceil(8) * bv);
@@ -214,7 +237,7 @@ mod gpu {
 
         let task = CUBE_POS_X as usize * tasks + warp / ksplit;
         let part = warp % ksplit;
-        let j0 = task * 16;
+        let j0 = task * comptime!(16 * if gated { 1 } else { tiles });
         let active = j0 < rows;
 
         // This lane's B column in each n tile: part `col % 3` of token `col / 3`, or none (zeros).
@@ -231,10 +254,18 @@ mod gpu {
                 xrow[nt] = ((col % 3) * n + t) * kv;
             }
         }
-        // This lane's weight rows (their first vectors): `g` and `g + 8` of the tile.
-        let mut wrow = Array::<usize>::new(2usize);
-        wrow[0] = (j0 + g) * kv;
-        wrow[1] = (j0 + g + 8) * kv;
+        // This lane's weight rows (their first vectors): `g` and `g + 8` of each m tile (gated: the same rows of
+        // the gate and the up matrix).
+        let mut wrow = Array::<usize>::new(comptime!(2 * if gated { 2 } else { tiles }));
+        #[unroll]
+        for mt in 0..mtiles {
+            let mut r0 = j0 + 16 * mt;
+            if gated {
+                r0 = j0;
+            }
+            wrow[2 * mt] = (r0 + g) * kv;
+            wrow[2 * mt + 1] = (r0 + g + 8) * kv;
+        }
 
         let mut acc = Array::<f32>::new(comptime!(mtiles * (3 * tb).div_ceil(8) * 4));
         #[unroll]
@@ -249,78 +280,87 @@ mod gpu {
             let mut xb = Array::<Vector<u32, N>>::new(comptime!((3 * tb).div_ceil(8) * bv));
             let mut wn = Array::<Vector<u32, N>>::new(comptime!(2 * mtiles * bv));
             let mut xn = Array::<Vector<u32, N>>::new(comptime!((3 * tb).div_ceil(8) * bv));
-            let mut first = part;
+            // The warp's blocks: superblocks (128 columns, `fl` blocks, one tensor-core chain) part, part +
+            // ksplit, ...
+            let mut first = part * fl;
             if first >= nblk {
                 first = nblk - 1;
             }
-            load_block::<N>(xs, w, wu, &wrow, &xrow, &xok, &mut wa, &mut xb, first, c, ntiles, bv, gated);
-            let mut i = part;
-            while i < nblk {
-                let mut next = i + ksplit;
-                if next >= nblk {
-                    next = nblk - 1;
-                }
-                load_block::<N>(xs, w, wu, &wrow, &xrow, &xok, &mut wn, &mut xn, next, c, ntiles, bv, gated);
-
-                // This block's MMAs per (m tile, n tile), from a zero accumulator.
+            load_block::<N>(xs, w, wu, &wrow, &xrow, &xok, &mut wa, &mut xb, first, c, ntiles, mtiles, bv, gated);
+            let mut sb = part;
+            while sb < nsb {
+                // This superblock's MMAs per (m tile, n tile), from a zero accumulator.
                 let mut blk = Array::<f32>::new(comptime!(mtiles * (3 * tb).div_ceil(8) * 4));
                 #[unroll]
                 for a in 0..nacc {
                     blk[a] = f32::new(0.0);
                 }
                 #[unroll]
-                for b in 0..bv {
+                for f in 0..fl {
+                    let mut next = sb * fl + f + 1;
+                    if f == fl - 1 {
+                        next = (sb + ksplit) * fl;
+                    }
+                    if next >= nblk {
+                        next = nblk - 1;
+                    }
+                    load_block::<N>(
+                        xs, w, wu, &wrow, &xrow, &xok, &mut wn, &mut xn, next, c, ntiles, mtiles, bv, gated,
+                    );
                     #[unroll]
-                    for u in 0..2usize {
+                    for b in 0..bv {
                         #[unroll]
-                        for mt in 0..mtiles {
-                            let mut ra = Array::<Vector<bf16, Const<2>>>::new(4usize);
-                            let lo = wa[(2 * mt) * bv + b];
-                            let hi = wa[(2 * mt + 1) * bv + b];
-                            ra[0] = Vector::<bf16, Const<2>>::reinterpret(lo[2 * u]);
-                            ra[1] = Vector::<bf16, Const<2>>::reinterpret(hi[2 * u]);
-                            ra[2] = Vector::<bf16, Const<2>>::reinterpret(lo[2 * u + 1]);
-                            ra[3] = Vector::<bf16, Const<2>>::reinterpret(hi[2 * u + 1]);
+                        for u in 0..2usize {
                             #[unroll]
-                            for nt in 0..ntiles {
-                                let xv = xb[nt * bv + b];
-                                let mut rb = Array::<Vector<bf16, Const<2>>>::new(2usize);
-                                rb[0] = Vector::<bf16, Const<2>>::reinterpret(xv[2 * u]);
-                                rb[1] = Vector::<bf16, Const<2>>::reinterpret(xv[2 * u + 1]);
-                                let base = (mt * ntiles + nt) * 4;
-                                let mut rc = Array::<Vector<f32, Const<2>>>::new(2usize);
-                                let mut c0v = Vector::<f32, Const<2>>::empty();
-                                c0v[0] = blk[base];
-                                c0v[1] = blk[base + 1];
-                                let mut c1v = Vector::<f32, Const<2>>::empty();
-                                c1v[0] = blk[base + 2];
-                                c1v[1] = blk[base + 3];
-                                rc[0] = c0v;
-                                rc[1] = c1v;
-                                def.execute_inplace(&ra, &rb, &mut rc);
-                                let d0 = rc[0];
-                                let d1 = rc[1];
-                                blk[base] = d0[0];
-                                blk[base + 1] = d0[1];
-                                blk[base + 2] = d1[0];
-                                blk[base + 3] = d1[1];
+                            for mt in 0..mtiles {
+                                let mut ra = Array::<Vector<bf16, Const<2>>>::new(4usize);
+                                let lo = wa[(2 * mt) * bv + b];
+                                let hi = wa[(2 * mt + 1) * bv + b];
+                                ra[0] = Vector::<bf16, Const<2>>::reinterpret(lo[2 * u]);
+                                ra[1] = Vector::<bf16, Const<2>>::reinterpret(hi[2 * u]);
+                                ra[2] = Vector::<bf16, Const<2>>::reinterpret(lo[2 * u + 1]);
+                                ra[3] = Vector::<bf16, Const<2>>::reinterpret(hi[2 * u + 1]);
+                                #[unroll]
+                                for nt in 0..ntiles {
+                                    let xv = xb[nt * bv + b];
+                                    let mut rb = Array::<Vector<bf16, Const<2>>>::new(2usize);
+                                    rb[0] = Vector::<bf16, Const<2>>::reinterpret(xv[2 * u]);
+                                    rb[1] = Vector::<bf16, Const<2>>::reinterpret(xv[2 * u + 1]);
+                                    let base = (mt * ntiles + nt) * 4;
+                                    let mut rc = Array::<Vector<f32, Const<2>>>::new(2usize);
+                                    let mut c0v = Vector::<f32, Const<2>>::empty();
+                                    c0v[0] = blk[base];
+                                    c0v[1] = blk[base + 1];
+                                    let mut c1v = Vector::<f32, Const<2>>::empty();
+                                    c1v[0] = blk[base + 2];
+                                    c1v[1] = blk[base + 3];
+                                    rc[0] = c0v;
+                                    rc[1] = c1v;
+                                    def.execute_inplace(&ra, &rb, &mut rc);
+                                    let d0 = rc[0];
+                                    let d1 = rc[1];
+                                    blk[base] = d0[0];
+                                    blk[base + 1] = d0[1];
+                                    blk[base + 2] = d1[0];
+                                    blk[base + 3] = d1[1];
+                                }
                             }
                         }
+                    }
+                    #[unroll]
+                    for q in 0..nwa {
+                        wa[q] = wn[q];
+                    }
+                    #[unroll]
+                    for q in 0..nxb {
+                        xb[q] = xn[q];
                     }
                 }
                 #[unroll]
                 for a in 0..nacc {
                     acc[a] += blk[a];
                 }
-                #[unroll]
-                for q in 0..nwa {
-                    wa[q] = wn[q];
-                }
-                #[unroll]
-                for q in 0..nxb {
-                    xb[q] = xn[q];
-                }
-                i += ksplit;
+                sb += ksplit;
             }
         }
 
@@ -351,7 +391,7 @@ mod gpu {
                 if t < n {
                     #[unroll]
                     for h in 0..2usize {
-                        let mut vals = Array::<f32>::new(2usize);
+                        let mut vals = Array::<f32>::new(comptime!(if gated { 2 } else { tiles }));
                         #[unroll]
                         for mt in 0..mtiles {
                             let mut sum = f32::new(0.0);
@@ -375,7 +415,10 @@ mod gpu {
                                 let a = vals[0];
                                 out[t * rows + r] = a / (f32::new(1.0) + (-a).exp()) * vals[1];
                             } else {
-                                out[t * rows + r] = vals[0];
+                                #[unroll]
+                                for mt in 0..mtiles {
+                                    out[t * rows + r + 16 * mt] = vals[mt];
+                                }
                             }
                         }
                     }
@@ -402,16 +445,23 @@ mod gpu {
         k: usize,
         cfg: MmaGemvConfig,
     ) -> Result<(), String> {
-        if n == 0 || n > cfg.tb || !k.is_multiple_of(128) || k == 0 || rows == 0 || !rows.is_multiple_of(16) {
+        let tr = cfg.task_rows();
+        if n == 0 || n > cfg.tb || !k.is_multiple_of(128) || k == 0 || rows == 0 || !rows.is_multiple_of(tr) {
             return Err(format!(
-                "gemv_mma: n {n}, rows {rows}, k {k}: need 1 <= n <= tb {}, k a multiple of 128, rows of 16",
+                "gemv_mma: n {n}, rows {rows}, k {k}: need 1 <= n <= tb {}, k a multiple of 128, rows of {tr}",
                 cfg.tb
+            ));
+        }
+        if cfg.gated && cfg.tiles != 1 {
+            return Err(format!(
+                "gemv_mma: gated with {} m tiles a task (one: the gate tile and its up tile)",
+                cfg.tiles
             ));
         }
         if cfg.gated != wu.is_some() {
             return Err(format!("gemv_mma: gated {} but up weights given: {}", cfg.gated, wu.is_some()));
         }
-        if ![1, 2, 4].contains(&cfg.bv) || ![1, 2, 4, 8].contains(&cfg.ksplit) || cfg.tasks == 0 {
+        if ![1, 2, 4].contains(&cfg.bv) || ![1, 2, 4, 8].contains(&cfg.ksplit) || cfg.tasks == 0 || cfg.tiles == 0 {
             return Err(format!("gemv_mma: launch shape {cfg:?}"));
         }
         let mut sizes = vec![("x", x, n * k * 4), ("W", w, rows * k * 2), ("out", out, n * rows * 4)];
@@ -454,6 +504,7 @@ mod gpu {
                 rows as u32,
                 k,
                 cfg.tb,
+                cfg.tiles,
                 cfg.tasks,
                 cfg.ksplit,
                 cfg.bv,
@@ -542,7 +593,9 @@ mod tests {
                     let c = MmaGemvConfig::new(n, rows, k, gated, 132).unwrap();
                     assert!(c.tb >= n && 3 * c.tb <= 8 * c.ntiles(), "{c:?}");
                     assert!(k / (32 * c.bv) >= c.ksplit, "{c:?}");
-                    assert!(c.tasks * c.ksplit <= 8 && c.blocks(rows) * c.tasks * 16 >= rows, "{c:?}");
+                    assert!(c.tasks * c.ksplit <= 8 && c.blocks(rows) * c.tasks * c.task_rows() >= rows, "{c:?}");
+                    assert!(rows.is_multiple_of(c.task_rows()) && (!gated || c.tiles == 1), "{c:?}");
+                    assert!(k / 128 >= c.ksplit, "{c:?}");
                     assert!(c.shared_bytes() <= 48 * 1024, "{c:?}");
                 }
             }

@@ -360,6 +360,7 @@ fn define_gemv_mma(k: usize, cfg: &super::dense_mma::MmaGemvConfig, props: &Devi
         rows,
         k,
         c.tb,
+        c.tiles,
         c.tasks,
         c.ksplit,
         c.bv,

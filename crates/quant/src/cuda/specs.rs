@@ -468,8 +468,9 @@ impl KernelSpec {
             Self::GemvMma { k, cfg } => {
                 let c = cfg;
                 format!(
-                    "gemv_mma k{k} tb{} tasks{} ksplit{} bv{}{}",
+                    "gemv_mma k{k} tb{} tiles{} tasks{} ksplit{} bv{}{}",
                     c.tb,
+                    c.tiles,
                     c.tasks,
                     c.ksplit,
                     c.bv,
