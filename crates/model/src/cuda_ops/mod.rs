@@ -42,7 +42,41 @@ pub(crate) fn is_cuda<B: Backend>() -> bool {
 /// `t`'s buffer, contiguous (copied only when it is not).
 pub(crate) fn float<B: Backend, const D: usize>(t: Tensor<B, D>) -> Option<Cube> {
     let boxed: Box<dyn Any> = Box::new(t.into_primitive().tensor());
-    boxed.downcast::<Cube>().ok().map(|c| into_contiguous(*c))
+    boxed.downcast::<Cube>().ok().map(|c| {
+        if !c.is_contiguous() {
+            warn_big_copy(&c);
+        }
+        into_contiguous(*c)
+    })
+}
+
+/// With `EYRIE_WARN_COPIES` set (a diagnostic): says on stderr, once a shape and with a backtrace when
+/// `RUST_BACKTRACE` is set, that a buffer of 256 MiB or more is being copied to make it dense. Load-time copies are
+/// expected (the fused experts' rows are made dense once); one during decode steps means a weight or pool reaches a
+/// kernel non-dense and is copied at every call (a step's time, and device memory until CubeCL's next flush).
+fn warn_big_copy(c: &Cube) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var_os("EYRIE_WARN_COPIES").is_some()) {
+        return;
+    }
+    let bytes = c.meta.shape.iter().product::<usize>() * c.dtype.size();
+    if bytes < 256 << 20 {
+        return;
+    }
+    static SEEN: std::sync::Mutex<Vec<Vec<usize>>> = std::sync::Mutex::new(Vec::new());
+    let shape: Vec<usize> = c.meta.shape.iter().copied().collect();
+    let Ok(mut seen) = SEEN.lock() else { return };
+    if seen.contains(&shape) {
+        return;
+    }
+    seen.push(shape.clone());
+    eprintln!(
+        "eyrie: warning: copying a non-dense {:?} {shape:?} buffer ({bytes} bytes, strides {:?}) to make it \
+         dense\n{}",
+        c.dtype,
+        c.meta.strides,
+        std::backtrace::Backtrace::capture()
+    );
 }
 
 /// An int tensor's buffer, contiguous.
