@@ -4,8 +4,9 @@
 //! The weight `W` `[out, in]` is held in f32, except on CUDA where a BF16 weight stays BF16 (every BF16 value is
 //! an f32, so nothing changes but the bytes: half of them): decode widths (up to
 //! [`crate::cuda_ops::GEMV_MAX_TOKENS`] rows) run eyrie-quant's GEMV kernel over the BF16 rows with f32
-//! activations and accumulation, wider inputs (larger batches, prefill chunks) eyrie-quant's f32-exact tensor-core GEMM through
-//! cuBLAS ([`eyrie_quant::cuda::gemm`]; burn's matmul on an f32 copy when cuBLAS is missing). INT4 is uploaded packed and
+//! activations and accumulation, batched decode and verification widths (up to
+//! [`crate::cuda_ops::mma_gemv_max_tokens`]) its f32-exact tensor-core GEMV, wider inputs (larger batches, prefill
+//! chunks) eyrie-quant's f32-exact tensor-core GEMM through cuBLAS ([`eyrie_quant::cuda::gemm`]; burn's matmul on an f32 copy when cuBLAS is missing). INT4 is uploaded packed and
 //! dequantized on the device ([`Int4Tensors::dequantize`], bit-exact with compressed-tensors), FP8 is
 //! dequantized on the host. Routed experts keep INT4 packed ([`StoredLinear`], and on CUDA `crate::fused_moe`).
 
