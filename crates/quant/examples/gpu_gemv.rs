@@ -62,6 +62,21 @@ fn time(client: &ComputeClient<R>, mut call: impl FnMut(usize) -> Result<()>) ->
     Ok(times[4])
 }
 
+/// Reads `out` `[n, rows]` back and checks it against `want` `[n, checked rows]`: (norm-wise error, within [`TOL`]
+/// and finite).
+fn check(
+    client: &ComputeClient<R>,
+    out: &burn::cubecl::server::Handle,
+    want: &[f32],
+    n: usize,
+    rows: usize,
+    checked: &[usize],
+) -> Result<(f64, bool)> {
+    let got = f32::from_bytes(&client.read_one(out.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?).to_vec();
+    let err = error(&got, want, n, rows, checked);
+    Ok((err, err <= TOL && got.iter().all(|v| v.is_finite())))
+}
+
 /// Norm-wise error of `got` `[n, rows]` against `want` `[n, checked rows]`.
 fn error(got: &[f32], want: &[f32], n: usize, rows: usize, checked: &[usize]) -> f64 {
     let (mut diff, mut scale) = (0.0f64, 0.0f64);
@@ -122,11 +137,8 @@ fn main() -> Result<()> {
             // The shape the model uses (fewer rows per block for short matrices, 264 blocks = 2 x 132 SMs).
             let cfg = GemvConfig::for_shape(n, rows, k, 264);
             gemv_bf16(&client, &x_dev, &w_dev[0], &out, n, rows, k, cfg).map_err(anyhow::Error::msg)?;
-            let got =
-                f32::from_bytes(&client.read_one(out.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?).to_vec();
             let want = gemv_reference(&x, &w_checked, n, checked.len(), k);
-            let err = error(&got, &want, n, rows, &checked);
-            let ok = err <= TOL && got.iter().all(|v| v.is_finite());
+            let (err, ok) = check(&client, &out, &want, n, rows, &checked)?;
             failed |= !ok;
             let secs = time(&client, |i| {
                 gemv_bf16(&client, &x_dev, &w_dev[i % copies], &out, n, rows, k, cfg).map_err(anyhow::Error::msg)
@@ -149,10 +161,7 @@ fn main() -> Result<()> {
             if let Some(mcfg) = MmaGemvConfig::new(n, rows, k, false, 132) {
                 let out = client.empty(n * rows * 4);
                 gemv_mma(&client, &x_dev, &w_dev[0], None, &out, n, rows, k, mcfg).map_err(anyhow::Error::msg)?;
-                let got = f32::from_bytes(&client.read_one(out.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?)
-                    .to_vec();
-                let err = error(&got, &want, n, rows, &checked);
-                let ok = err <= TOL && got.iter().all(|v| v.is_finite());
+                let (err, ok) = check(&client, &out, &want, n, rows, &checked)?;
                 failed |= !ok;
                 let secs = time(&client, |i| {
                     gemv_mma(&client, &x_dev, &w_dev[i % copies], None, &out, n, rows, k, mcfg)
@@ -180,10 +189,7 @@ fn main() -> Result<()> {
                 let out = client.empty(n * rows * 4);
                 gemv_mma(&client, &x_dev, &w_dev[0], Some(&wu_dev), &out, n, rows, k, mcfg)
                     .map_err(anyhow::Error::msg)?;
-                let got = f32::from_bytes(&client.read_one(out.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?)
-                    .to_vec();
-                let err = error(&got, &want, n, rows, &checked);
-                let ok = err <= TOL && got.iter().all(|v| v.is_finite());
+                let (err, ok) = check(&client, &out, &want, n, rows, &checked)?;
                 failed |= !ok;
                 let secs = time(&client, |i| {
                     gemv_mma(&client, &x_dev, &w_dev[i % copies], Some(&wu_dev), &out, n, rows, k, mcfg)

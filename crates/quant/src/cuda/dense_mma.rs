@@ -126,12 +126,12 @@ pub use gpu::{gemv_mma, gemv_mma_kernel};
 #[cfg(feature = "cuda")]
 mod gpu {
     use burn::cubecl;
-    use cubecl::cmma::MmaDefinition;
     use cubecl::prelude::*;
     use cubecl::server::Handle;
     use half::bf16;
 
     use super::MmaGemvConfig;
+    use crate::cuda::moe_mma::{ksplit_reduce, mma_into, token_sum};
 
     /// Loads block `blk` for one lane: the A vectors of rows `g`, `g + 8` of each m tile (`wrow[2 mt + h]`: the
     /// rows' first vectors; gated: m tile 0 from `w`, 1 from `wu`), and the B vectors of the lane's column in each n
@@ -232,7 +232,6 @@ mod gpu {
         let nwa = comptime!(2 * mtiles * bv);
         let nxb = comptime!((3 * tb).div_ceil(8) * bv);
 
-        let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
         let mut red = SharedMemory::<f32>::new(comptime!(if ksplit > 1 { tasks * ksplit * nacc * 32 } else { 1 }));
 
         let task = CUBE_POS_X as usize * tasks + warp / ksplit;
@@ -326,23 +325,7 @@ mod gpu {
                                     let mut rb = Array::<Vector<bf16, Const<2>>>::new(2usize);
                                     rb[0] = Vector::<bf16, Const<2>>::reinterpret(xv[2 * u]);
                                     rb[1] = Vector::<bf16, Const<2>>::reinterpret(xv[2 * u + 1]);
-                                    let base = (mt * ntiles + nt) * 4;
-                                    let mut rc = Array::<Vector<f32, Const<2>>>::new(2usize);
-                                    let mut c0v = Vector::<f32, Const<2>>::empty();
-                                    c0v[0] = blk[base];
-                                    c0v[1] = blk[base + 1];
-                                    let mut c1v = Vector::<f32, Const<2>>::empty();
-                                    c1v[0] = blk[base + 2];
-                                    c1v[1] = blk[base + 3];
-                                    rc[0] = c0v;
-                                    rc[1] = c1v;
-                                    def.execute_inplace(&ra, &rb, &mut rc);
-                                    let d0 = rc[0];
-                                    let d1 = rc[1];
-                                    blk[base] = d0[0];
-                                    blk[base + 1] = d0[1];
-                                    blk[base + 2] = d1[0];
-                                    blk[base + 3] = d1[1];
+                                    mma_into(&ra, &rb, &mut blk, (mt * ntiles + nt) * 4);
                                 }
                             }
                         }
@@ -366,21 +349,7 @@ mod gpu {
 
         // The k-split warps of a task add up through shared memory (every warp reaches both barriers).
         if ksplit > 1 {
-            #[unroll]
-            for a in 0..nacc {
-                red[(warp * nacc + a) * 32 + lane] = acc[a];
-            }
-            sync_cube();
-            if part == 0 {
-                #[unroll]
-                for s in 1..ksplit {
-                    #[unroll]
-                    for a in 0..nacc {
-                        acc[a] += red[((warp + s) * nacc + a) * 32 + lane];
-                    }
-                }
-            }
-            sync_cube();
+            ksplit_reduce(&mut acc, &mut red, warp, lane, part, nacc, ksplit);
         }
 
         if active && part == 0 {
@@ -394,20 +363,7 @@ mod gpu {
                         let mut vals = Array::<f32>::new(comptime!(if gated { 2 } else { tiles }));
                         #[unroll]
                         for mt in 0..mtiles {
-                            let mut sum = f32::new(0.0);
-                            #[unroll]
-                            for nt in 0..ntiles {
-                                #[unroll]
-                                for q in 0..2usize {
-                                    let col = 8 * nt + 2 * c + q;
-                                    if col >= 3 * t && col < 3 * t + 3 {
-                                        sum += acc[(mt * ntiles + nt) * 4 + 2 * h + q];
-                                    }
-                                }
-                            }
-                            sum += plane_shuffle_xor(sum, 1u32);
-                            sum += plane_shuffle_xor(sum, 2u32);
-                            vals[mt] = sum;
+                            vals[mt] = token_sum(&acc, t, h, mt, c, ntiles);
                         }
                         if c == 0 {
                             let r = j0 + g + 8 * h;
@@ -481,15 +437,7 @@ mod gpu {
         // (`rows` a multiple of 16: every task's tile is whole), vectors `< 3 n k / 8` of the split and writes `out`
         // at `[t < n, r < rows]`.
         unsafe {
-            crate::cuda::gemm::split_bf16x3_kernel::launch_unchecked::<R>(
-                client,
-                CubeCount::Static(words.div_ceil(256) as u32, 1, 1),
-                CubeDim::new_1d(256),
-                AddressType::from_len(3 * words),
-                ArrayArg::from_raw_parts(x.clone(), 2 * words),
-                ArrayArg::from_raw_parts(split.clone(), 3 * words),
-                words as u32,
-            );
+            crate::cuda::gemm::launch_split_bf16x3::<R>(client, x, &split, words);
             gemv_mma_kernel::launch_unchecked::<R>(
                 client,
                 CubeCount::Static(cfg.blocks(rows) as u32, 1, 1),

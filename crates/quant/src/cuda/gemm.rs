@@ -67,6 +67,7 @@ pub fn split_bf16x3_rows(x: &[f32]) -> Vec<u16> {
 pub const K_CHUNK: usize = 2048;
 
 #[cfg(feature = "cuda")]
+pub(crate) use gpu::launch_split_bf16x3;
 pub use gpu::{Blas, gemm_f32_bf16w, gemm_f32_bf16w_chunked, split_bf16x3_kernel, sum3_kernel};
 
 #[cfg(feature = "cuda")]
@@ -102,6 +103,30 @@ mod gpu {
             out[i] = a_hi | (b_hi << 16u32);
             out[words + i] = a_mid | (b_mid << 16u32);
             out[2 * words + i] = a_lo | (b_lo << 16u32);
+        }
+    }
+
+    /// Launches [`split_bf16x3_kernel`] over `words` words of `x` (`2 words` f32) into `split` (`3 words` words).
+    ///
+    /// # Safety
+    /// `x` must hold `2 words` f32 and `split` `3 words` words.
+    pub(crate) unsafe fn launch_split_bf16x3<R: Runtime>(
+        client: &ComputeClient<R>,
+        x: &Handle,
+        split: &Handle,
+        words: usize,
+    ) {
+        // SAFETY: the caller's sizes; the kernel writes index < words of each slab only.
+        unsafe {
+            split_bf16x3_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(words.div_ceil(256) as u32, 1, 1),
+                CubeDim::new_1d(256),
+                AddressType::from_len(3 * words),
+                ArrayArg::from_raw_parts(x.clone(), 2 * words),
+                ArrayArg::from_raw_parts(split.clone(), 3 * words),
+                words as u32,
+            );
         }
     }
 
@@ -369,15 +394,7 @@ mod gpu {
         // SAFETY: `x` holds 2 * words f32 and `split` 3 * words words (checked/allocated above); the kernel writes
         // index < words of each slab only.
         unsafe {
-            split_bf16x3_kernel::launch_unchecked::<CudaRuntime>(
-                client,
-                CubeCount::Static(words.div_ceil(256) as u32, 1, 1),
-                CubeDim::new_1d(256),
-                AddressType::from_len(3 * words),
-                ArrayArg::from_raw_parts(x.clone(), 2 * words),
-                ArrayArg::from_raw_parts(split.clone(), 3 * words),
-                words as u32,
-            );
+            launch_split_bf16x3::<CudaRuntime>(client, x, &split, words);
         }
         {
             // The lookup of W is a server round trip: the split kernel above is enqueued on CubeCL's stream when it

@@ -135,6 +135,85 @@ fn load_block<N: Size>(
     }
 }
 
+/// One `mma.m16n8k16` (BF16 operands in PTX register order, f32 accumulators) into the four accumulator floats of
+/// a lane at `blk[base..base + 4]`: (row g, columns 2c, 2c + 1), (row g + 8, the same columns). Shared by the MoE
+/// and dense tensor-core kernels.
+#[cube]
+pub(crate) fn mma_into(
+    ra: &Array<Vector<bf16, Const<2>>>,
+    rb: &Array<Vector<bf16, Const<2>>>,
+    blk: &mut Array<f32>,
+    base: usize,
+) {
+    let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+    let mut rc = Array::<Vector<f32, Const<2>>>::new(2usize);
+    let mut c0v = Vector::<f32, Const<2>>::empty();
+    c0v[0] = blk[base];
+    c0v[1] = blk[base + 1];
+    let mut c1v = Vector::<f32, Const<2>>::empty();
+    c1v[0] = blk[base + 2];
+    c1v[1] = blk[base + 3];
+    rc[0] = c0v;
+    rc[1] = c1v;
+    def.execute_inplace(ra, rb, &mut rc);
+    let d0 = rc[0];
+    let d1 = rc[1];
+    blk[base] = d0[0];
+    blk[base + 1] = d0[1];
+    blk[base + 2] = d1[0];
+    blk[base + 3] = d1[1];
+}
+
+/// The k-split warps of a task add their `nacc` accumulators (per lane) into part 0's through `red` (every warp
+/// of the block must call it: two block barriers).
+#[cube]
+pub(crate) fn ksplit_reduce(
+    acc: &mut Array<f32>,
+    red: &mut SharedMemory<f32>,
+    warp: usize,
+    lane: usize,
+    part: usize,
+    #[comptime] nacc: usize,
+    #[comptime] ksplit: usize,
+) {
+    #[unroll]
+    for a in 0..nacc {
+        red[(warp * nacc + a) * 32 + lane] = acc[a];
+    }
+    sync_cube();
+    if part == 0 {
+        #[unroll]
+        for s in 1..ksplit {
+            #[unroll]
+            for a in 0..nacc {
+                acc[a] += red[((warp + s) * nacc + a) * 32 + lane];
+            }
+        }
+    }
+    sync_cube();
+}
+
+/// Token `t`'s result for row half `h` of m tile `mt`: lane `(g, c)` holds columns `2c`, `2c + 1` of each n tile,
+/// and a token's three parts (columns `3t .. 3t + 3`) are spread over the quad, so the lane's share is summed and
+/// then added across the quad (every lane of the warp must call it; all quad lanes get the sum).
+#[cube]
+pub(crate) fn token_sum(acc: &Array<f32>, t: usize, h: usize, mt: usize, c: usize, #[comptime] ntiles: usize) -> f32 {
+    let mut sum = f32::new(0.0);
+    #[unroll]
+    for nt in 0..ntiles {
+        #[unroll]
+        for q in 0..2usize {
+            let col = 8 * nt + 2 * c + q;
+            if col >= 3 * t && col < 3 * t + 3 {
+                sum += acc[(mt * ntiles + nt) * 4 + 2 * h + q];
+            }
+        }
+    }
+    sum += plane_shuffle_xor(sum, 1u32);
+    sum += plane_shuffle_xor(sum, 2u32);
+    sum
+}
+
 /// Rows of one expert's INT4 matrix times the split activations of the tokens routed to it, on tensor cores.
 ///
 /// - `xs`: split-permuted activations ([`split_x3_kernel`]) as 16-byte vectors, `[*, 3, k / 8]`; row `pair / topk`
@@ -180,7 +259,6 @@ pub fn expert_mma_kernel<N: Size>(
     // Accumulator floats per lane: (m tile, n tile, row half, column pair).
     let nacc = comptime!(mtiles * ntiles * 4);
 
-    let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     let mut red = SharedMemory::<f32>::new(comptime!(if ksplit > 1 { tasks * ksplit * nacc * 32 } else { 1 }));
 
     let task = CUBE_POS_X as usize * tasks + warp / ksplit;
@@ -308,23 +386,7 @@ pub fn expert_mma_kernel<N: Size>(
                                 let b1 = xb[4 * nt + t / 2][2 * (t % 2) + 1];
                                 rb[0] = Vector::<bf16, Const<2>>::reinterpret(b0);
                                 rb[1] = Vector::<bf16, Const<2>>::reinterpret(b1);
-                                let base = (mt * ntiles + nt) * 4;
-                                let mut rc = Array::<Vector<f32, Const<2>>>::new(2usize);
-                                let mut c0v = Vector::<f32, Const<2>>::empty();
-                                c0v[0] = blk[base];
-                                c0v[1] = blk[base + 1];
-                                let mut c1v = Vector::<f32, Const<2>>::empty();
-                                c1v[0] = blk[base + 2];
-                                c1v[1] = blk[base + 3];
-                                rc[0] = c0v;
-                                rc[1] = c1v;
-                                def.execute_inplace(&ra, &rb, &mut rc);
-                                let d0 = rc[0];
-                                let d1 = rc[1];
-                                blk[base] = d0[0];
-                                blk[base + 1] = d0[1];
-                                blk[base + 2] = d1[0];
-                                blk[base + 3] = d1[1];
+                                mma_into(&ra, &rb, &mut blk, (mt * ntiles + nt) * 4);
                             }
                         }
                     }
@@ -347,21 +409,7 @@ pub fn expert_mma_kernel<N: Size>(
 
             // The k-split warps of a task add up through shared memory (every warp reaches both barriers).
             if ksplit > 1 {
-                #[unroll]
-                for a in 0..nacc {
-                    red[(warp * nacc + a) * 32 + lane] = acc[a];
-                }
-                sync_cube();
-                if part == 0 {
-                    #[unroll]
-                    for s in 1..ksplit {
-                        #[unroll]
-                        for a in 0..nacc {
-                            acc[a] += red[((warp + s) * nacc + a) * 32 + lane];
-                        }
-                    }
-                }
-                sync_cube();
+                ksplit_reduce(&mut acc, &mut red, warp, lane, part, nacc, ksplit);
             }
 
             if active && part == 0 {
@@ -376,20 +424,7 @@ pub fn expert_mma_kernel<N: Size>(
                             let mut vals = Array::<f32>::new(comptime!(if gated { 2 } else { tiles }));
                             #[unroll]
                             for mt in 0..mtiles {
-                                let mut sum = f32::new(0.0);
-                                #[unroll]
-                                for nt in 0..ntiles {
-                                    #[unroll]
-                                    for q in 0..2usize {
-                                        let col = 8 * nt + 2 * c + q;
-                                        if col >= 3 * t && col < 3 * t + 3 {
-                                            sum += acc[(mt * ntiles + nt) * 4 + 2 * h + q];
-                                        }
-                                    }
-                                }
-                                sum += plane_shuffle_xor(sum, 1u32);
-                                sum += plane_shuffle_xor(sum, 2u32);
-                                vals[mt] = sum;
+                                vals[mt] = token_sum(&acc, t, h, mt, c, ntiles);
                             }
                             if c == 0 {
                                 let r = j0 + g + 8 * h;
