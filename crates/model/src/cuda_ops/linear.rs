@@ -86,17 +86,15 @@ pub(crate) fn gemv<B: Backend>(x: &Tensor<B, 2>, w: &Tensor<B, 2>) -> Option<Ten
     if w.dtype() != DType::BF16 || x.dtype() != DType::F32 {
         return None;
     }
-    let mma = if n > gemv_max_tokens() { Some(MmaGemvConfig::new(n, rows, k, false, 132)?) } else { None };
     let xc = float(x.clone())?;
     let wc = float(w.clone())?;
     let client = xc.client.clone();
-    let out = client.empty(n * rows * 4);
     let sms = sms_of(&client);
+    // Above the CUDA-core GEMV's width: the tensor-core GEMV, or `None` (then `gemm`) for a shape it does not take.
+    let mma = if n > gemv_max_tokens() { Some(MmaGemvConfig::new(n, rows, k, false, sms)?) } else { None };
+    let out = client.empty(n * rows * 4);
     match mma {
-        Some(_) => {
-            let cfg = MmaGemvConfig::new(n, rows, k, false, sms)?;
-            gemv_mma(&client, &xc.handle, &wc.handle, None, &out, n, rows, k, cfg).ok()?;
-        }
+        Some(cfg) => gemv_mma(&client, &xc.handle, &wc.handle, None, &out, n, rows, k, cfg).ok()?,
         None => {
             let cfg = GemvConfig::for_shape(n, rows, k, 2 * sms);
             gemv_bf16(&client, &xc.handle, &wc.handle, &out, n, rows, k, cfg).ok()?;
@@ -121,18 +119,15 @@ pub(crate) fn gemv_swiglu_pair<B: Backend>(
     if wg.dtype() != DType::BF16 || wu.dtype() != DType::BF16 || x.dtype() != DType::F32 {
         return None;
     }
-    let mma = if n > gemv_max_tokens() { Some(MmaGemvConfig::new(n, rows, k, true, 132)?) } else { None };
     let xc = float(x.clone())?;
     let gc = float(wg.clone())?;
     let uc = float(wu.clone())?;
     let client = xc.client.clone();
-    let out = client.empty(n * rows * 4);
     let sms = sms_of(&client);
+    let mma = if n > gemv_max_tokens() { Some(MmaGemvConfig::new(n, rows, k, true, sms)?) } else { None };
+    let out = client.empty(n * rows * 4);
     match mma {
-        Some(_) => {
-            let cfg = MmaGemvConfig::new(n, rows, k, true, sms)?;
-            gemv_mma(&client, &xc.handle, &gc.handle, Some(&uc.handle), &out, n, rows, k, cfg).ok()?;
-        }
+        Some(cfg) => gemv_mma(&client, &xc.handle, &gc.handle, Some(&uc.handle), &out, n, rows, k, cfg).ok()?,
         None => {
             let cfg = GemvConfig::for_swiglu(n, rows, k, 2 * sms);
             gemv_swiglu(&client, &xc.handle, &gc.handle, &uc.handle, &out, n, rows, k, cfg).ok()?;
