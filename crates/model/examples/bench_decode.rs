@@ -49,6 +49,19 @@ fn t() -> f64 {
 }
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
+/// Says on stderr how much device memory CubeCL's pools hold on this thread's stream (in use / reserved), so a
+/// run that runs out of device memory shows where the reservation grew.
+fn memory_line<B: ParallelBackend>(device: &B::Device, what: &str) {
+    if let Some((in_use, reserved)) = eyrie_model::cuda_ops::memory_usage::<B>(device) {
+        eprintln!(
+            "[{:.0} s] memory {what}: {:.2} GB in use, {:.2} GB reserved",
+            t(),
+            in_use as f64 / 1e9,
+            reserved as f64 / 1e9
+        );
+    }
+}
+
 const BLOCK: usize = 64;
 /// Prefill rows per forward (all sequences' chunks together): 1024 tokens per sequence, fewer when the batch is
 /// large, so that a chunk's activations (queries of 64 heads x 576 f32 per row, the MoE's gathered rows) fit
@@ -186,6 +199,7 @@ fn run_split<B: ParallelBackend>(
     eprintln!("[{:.0} s] split {tp}x{ep}: making the weights", t());
     let (mut group, device) = ParallelGroup::<B>::synthetic(config, tp, ep, first, blocks, BLOCK)?;
     eprintln!("[{:.0} s] split {tp}x{ep}: weights made in {:.1} s", t(), started.elapsed().as_secs_f64());
+    memory_line::<B>(&device, "after the weights");
     let vocab = config.vocab_size;
     let mut rows = Vec::new();
     for &batch in batches {
@@ -208,6 +222,7 @@ fn run_split<B: ParallelBackend>(
             eprintln!("[{:.0} s] split {tp}x{ep} batch {batch}: prefilled {end} of {context}", t());
         }
         let prefill_s = prefill.elapsed().as_secs_f64();
+        memory_line::<B>(&device, &format!("batch {batch} after prefill"));
         // Returns the host's enqueue time: until the step's last launch is queued, before the logits are read.
         let mut step = |group: &mut ParallelGroup<B>, i: usize| -> Result<f64, Error> {
             let start = Instant::now();
@@ -296,6 +311,7 @@ fn run_split<B: ParallelBackend>(
             row.roofline_ms,
             prefill_s
         );
+        memory_line::<B>(&device, &format!("batch {batch} after the steps"));
         rows.push(row);
     }
     drop(group);

@@ -571,6 +571,40 @@ fn main() -> Result<(), Error> {
                 "bit_identical": same, "kernel_us": us_dev, "host_router_us": us_host, "ok": ok}));
         }
     }
+    // Out of device memory (last: it fills the device): buffers of 30 GiB until the device has no room for one
+    // more (each takes a page of its own), with a small tensor read after each. The failed allocation must come
+    // back as an error of that read, naming the allocation (CubeCL's device thread panicked instead, and later
+    // reads returned whatever the kernels made of the unbound buffer: vendor/cubecl-cuda, "Eyrie patch"); after
+    // the buffers are dropped the device must work again (what the engine relies on to fail one step and go on).
+    {
+        let small = || Tensor::<B, 1>::from_floats([1.0, 2.0, 3.0, 4.0], &device);
+        let probe = burn_cubecl::kernel::into_contiguous(small().into_primitive().tensor());
+        let client = probe.client.clone();
+        let mut held = Vec::new();
+        let mut error = None;
+        for _ in 0..8 {
+            held.push(client.empty(30 << 30));
+            if let Err(e) = (small() * 2.0).try_into_data() {
+                error = Some(format!("{e:?}"));
+                break;
+            }
+        }
+        let buffers = held.len();
+        drop(held);
+        B::memory_cleanup(&device);
+        let after = (small() * 2.0).try_into_data().map(|d| d.to_vec::<f32>());
+        let recovered = matches!(&after, Ok(Ok(v)) if v == &[2.0, 4.0, 6.0, 8.0]);
+        let named = error.as_deref().is_some_and(|e| e.contains("allocate"));
+        let ok = named && recovered;
+        failed |= !ok;
+        let first_line = error.as_deref().map_or("none", |e| e.lines().next().unwrap_or(""));
+        println!(
+            "| out of device memory (error at buffer {buffers} of 30 GiB: {}, device works after: {recovered}) | - | - | - | - | - | {ok} |",
+            first_line.chars().take(160).collect::<String>().replace('|', "/")
+        );
+        rows.push(serde_json::json!({"op": "out_of_memory", "buffers": buffers, "error": error,
+            "recovered": recovered, "ok": ok}));
+    }
     if let Some(path) = json {
         std::fs::write(path, serde_json::to_string_pretty(&serde_json::json!({"rows": rows}))? + "\n")?;
     }

@@ -175,7 +175,25 @@ impl<B: Backend> DeepseekV3<B> {
     }
 
     /// `experts`: the routed experts to load (all when `None`).
+    ///
+    /// The weights are allocated in exact-size buffers of their own (CubeCL's persistent mode), and the load's
+    /// temporaries (staging, dequantization, copies made dense) are given back to the device at the end: made in
+    /// CubeCL's default pools, a full-width model's load left a third of its size reserved but unused, pages of
+    /// sizes later steps could not use (a 10-layer Kimi-K2 slice: 96 GB in use, 134 GB reserved), and a later
+    /// prefill ran out of device memory.
     pub(crate) fn build(
+        config: &ModelConfig,
+        w: impl WeightSource,
+        device: &B::Device,
+        experts: Option<Range<usize>>,
+    ) -> Result<Self> {
+        let model =
+            crate::device::persistent_allocations::<B, _>(device, || Self::build_in(config, w, device, experts));
+        B::memory_cleanup(device);
+        model
+    }
+
+    fn build_in(
         config: &ModelConfig,
         mut w: impl WeightSource,
         device: &B::Device,

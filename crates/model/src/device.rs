@@ -117,6 +117,23 @@ pub fn cuda_device_count() -> Result<usize, DeviceError> {
     Err(DeviceError::NotBuilt)
 }
 
+/// Runs `f` (on this thread, once) with `device`'s allocations in the backend's persistent mode: on CUDA every
+/// buffer made meanwhile gets exact-size memory of its own instead of a slice of a pooled page, for buffers that
+/// live as long as the model (its weights); elsewhere a plain call.
+pub(crate) fn persistent_allocations<B: burn::tensor::backend::Backend, R>(
+    device: &B::Device,
+    f: impl FnOnce() -> R,
+) -> R {
+    /// burn's hook asks for `Send` input and output and an `Fn`; it calls the closure once, on the calling thread,
+    /// before it returns (burn-cubecl: CubeCL's `memory_persistent_allocation`; the other backends: a plain call),
+    /// so nothing here crosses a thread.
+    struct Here<T>(T);
+    // SAFETY: see above: the value never leaves the calling thread.
+    unsafe impl<T> Send for Here<T> {}
+    let Here(out) = B::memory_persistent_allocations(device, Here(f), |Here(f)| Here(f()));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

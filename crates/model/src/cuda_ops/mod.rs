@@ -136,3 +136,15 @@ pub(crate) fn contiguous_int<B: Backend, const D: usize>(t: Tensor<B, D, Int>) -
         Err(_) => t,
     }
 }
+
+/// CubeCL's device memory on `device` as this thread's stream sees it: `(bytes in use, bytes reserved)` (reserved:
+/// the pages its pools hold, which it does not give back to the driver until a cleanup), or `None` when `B` is not
+/// the CUDA backend. A diagnostic for benchmarks and logs (one server round trip).
+pub fn memory_usage<B: Backend>(device: &B::Device) -> Option<(u64, u64)> {
+    if !is_cuda::<B>() {
+        return None;
+    }
+    let probe = float(Tensor::<B, 1>::zeros([1], device))?;
+    let usage = probe.client.memory_usage().ok()?;
+    Some((usage.bytes_in_use, usage.bytes_reserved))
+}

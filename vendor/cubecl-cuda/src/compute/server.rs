@@ -121,8 +121,13 @@ impl ComputeServer for CudaServer {
             Err(err) => unreachable!("{err:?}"),
         };
 
-        let reserved = command.reserve(size).unwrap();
-        command.bind(reserved, memory);
+        // Eyrie patch: an allocation that fails (out of device memory) is an error of the stream, which the next
+        // read or sync of this stream returns, instead of a panic of the device thread that left the handle
+        // unbound and every later read succeeding with whatever the kernels made of it.
+        match command.reserve(size) {
+            Ok(reserved) => command.bind(reserved, memory),
+            Err(err) => command.error(err.into()),
+        }
     }
 
     fn write(&mut self, descriptors: Vec<(CopyDescriptor, Bytes)>, stream_id: StreamId) {

@@ -95,10 +95,12 @@ impl EventStreamBackend for CudaStreamBackend {
     }
 
     fn handle_cursor(stream: &Self::Stream, binding: &Binding) -> u64 {
+        // Eyrie patch: a handle whose allocation failed has no memory (the failure is on the stream's error list,
+        // `server.rs`); cursor 0 lets the command that uses it go on to fail with an error instead of a panic.
         stream
             .memory_management_gpu
             .get_cursor(binding.memory.clone())
-            .unwrap()
+            .unwrap_or(0)
     }
 
     fn is_healthy(stream: &Self::Stream) -> bool {
