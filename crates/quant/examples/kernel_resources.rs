@@ -306,8 +306,9 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     "k": k, "tb": cfg.tb, "tiles": cfg.tiles, "tasks": cfg.tasks, "ksplit": cfg.ksplit, "bv": cfg.bv, "gated": cfg.gated,
                 }),
                 KernelSpec::SplitBf16x3 | KernelSpec::Sum3 => json!({}),
-                KernelSpec::Route { experts, n_group, topk_group, top_k, norm } => json!({
+                KernelSpec::Route { experts, n_group, topk_group, top_k, norm, grouped } => json!({
                     "experts": experts, "n_group": n_group, "topk_group": topk_group, "top_k": top_k, "norm": norm,
+                    "grouped": grouped,
                 }),
                 KernelSpec::Group { experts } => json!({"experts": experts}),
                 KernelSpec::RmsNorm { width, add } => json!({"width": width, "add": add}),

@@ -14,10 +14,11 @@ use super::dense::bf16x8_dot;
 pub const LATENT_WARPS: usize = 4;
 
 /// Tokens per block and thread groups of [`mla_query_kernel`] for `n` query rows (`nope` must be a multiple of
-/// `8 * groups`; one group otherwise).
+/// `8 * groups`; one group otherwise). One row: 8 groups (1024 threads, 32 registers), so each thread's weight
+/// rows are two batches of 8 loads in flight instead of four (the grid is only the 64 heads).
 pub fn query_launch(n: usize, nope: usize) -> (usize, usize) {
     let (tb, groups) = match n {
-        1 => (1, 4),
+        1 => (1, 8),
         2 => (2, 4),
         3 | 4 => (4, 4),
         5..=16 => (8, 2),

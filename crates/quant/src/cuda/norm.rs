@@ -31,13 +31,31 @@ pub fn rms_norm_kernel<N: Size>(
     let warp = UNIT_POS_Y as usize;
     let wv = comptime!(width / 4);
     let threads = comptime!(32 * warps);
-    let mut ss = f32::new(0.0);
-    for i in 0..comptime!((width / 4).div_ceil(32 * warps)) {
+    let iters = comptime!((width / 4).div_ceil(32 * warps));
+    // Every load of the row (and of the weight) is issued before any is used, and the row stays in registers for
+    // the second pass: a loop of load-then-use made one row's norm a chain of `iters` memory latencies (~5 us at
+    // one row of 7168 on the H200, 31 launches a decode step).
+    let mut vals = Array::<Vector<f32, N>>::new(iters);
+    let mut gains = Array::<Vector<f32, N>>::new(iters);
+    #[unroll]
+    for i in 0..iters {
         let v = tid + i * threads;
         if v < wv {
             let mut a = x[row * wv + v];
             if add {
                 a += res[row * wv + v];
+            }
+            vals[i] = a;
+            gains[i] = w[v];
+        }
+    }
+    let mut ss = f32::new(0.0);
+    #[unroll]
+    for i in 0..iters {
+        let v = tid + i * threads;
+        if v < wv {
+            let a = vals[i];
+            if add {
                 sum[row * wv + v] = a;
             }
             ss += a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
@@ -55,15 +73,12 @@ pub fn rms_norm_kernel<N: Size>(
         total += part[q];
     }
     let inv = f32::new(1.0) / (total / f32::new(comptime!(width as f32)) + eps).sqrt();
-    for i in 0..comptime!((width / 4).div_ceil(32 * warps)) {
+    #[unroll]
+    for i in 0..iters {
         let v = tid + i * threads;
         if v < wv {
-            // (This thread wrote `sum[row, v]` itself in the first pass.)
-            let mut a = x[row * wv + v];
-            if add {
-                a = sum[row * wv + v];
-            }
-            let g = w[v];
+            let a = vals[i];
+            let g = gains[i];
             let mut o = Vector::<f32, N>::empty();
             o[0] = a[0] * inv * g[0];
             o[1] = a[1] * inv * g[1];

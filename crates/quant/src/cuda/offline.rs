@@ -444,12 +444,14 @@ fn define_sum3(props: &DeviceProperties) -> KernelDefinition {
     b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
 }
 
+#[allow(clippy::too_many_arguments)]
 fn define_route(
     experts: usize,
     n_group: usize,
     topk_group: usize,
     top_k: usize,
     norm: bool,
+    grouped: bool,
     props: &DeviceProperties,
 ) -> KernelDefinition {
     let address = AddressType::U32;
@@ -459,8 +461,29 @@ fn define_route(
     let bias = <Array<f32> as LaunchArg>::expand(&a, &mut b);
     let ids = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
     let weights = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let experts_out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let offsets = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let pairs = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let bounds = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
     let scale = <f32 as LaunchArg>::expand(&(), &mut b);
-    route_kernel::expand(&mut b.scope, logits, bias, ids, weights, scale, experts, n_group, topk_group, top_k, norm);
+    route_kernel::expand(
+        &mut b.scope,
+        logits,
+        bias,
+        ids,
+        weights,
+        experts_out,
+        offsets,
+        pairs,
+        bounds,
+        scale,
+        experts,
+        n_group,
+        topk_group,
+        top_k,
+        norm,
+        grouped,
+    );
     let dim = CubeDim::new_1d(super::router::ROUTE_THREADS as u32);
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name("route_kernel"))
 }
@@ -624,8 +647,8 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::GemvMma { k, cfg } => (define_gemv_mma(*k, cfg, &props), AddressType::U32),
         KernelSpec::SplitBf16x3 => (define_split_bf16x3(&props), AddressType::U32),
         KernelSpec::Sum3 => (define_sum3(&props), AddressType::U32),
-        KernelSpec::Route { experts, n_group, topk_group, top_k, norm } => {
-            (define_route(*experts, *n_group, *topk_group, *top_k, *norm, &props), AddressType::U32)
+        KernelSpec::Route { experts, n_group, topk_group, top_k, norm, grouped } => {
+            (define_route(*experts, *n_group, *topk_group, *top_k, *norm, *grouped, &props), AddressType::U32)
         }
         KernelSpec::Group { experts } => (define_group(*experts, &props), AddressType::U32),
         KernelSpec::RmsNorm { width, add } => (define_rms_norm(*width, *add, &props), AddressType::U32),

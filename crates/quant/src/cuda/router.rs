@@ -139,6 +139,12 @@ mod gpu {
 
     /// `noaux_tc` routing of one token per block (see the module docs): `logits` `[m, experts]` f32 (the gate's
     /// output, before the sigmoid), `bias` `[experts]` f32; writes `ids` and `weights` `[m, top_k]`, best first.
+    ///
+    /// With `grouped` (one token, one block) it also writes what [`group_kernel`] would: the token's `top_k`
+    /// distinct experts are all one-token experts, so `experts_out` is them ascending, slot `i` holds pair
+    /// `pairs_out[i]` (the expert's position in the token's list), `offsets` `0..=top_k` and `bounds`
+    /// `[0, top_k, top_k, top_k]`; a decode step of one sequence then routes in one launch instead of two. Without
+    /// it those four arrays are not touched.
     #[cube(launch_unchecked)]
     #[allow(clippy::too_many_arguments)]
     pub fn route_kernel(
@@ -146,12 +152,17 @@ mod gpu {
         bias: &Array<f32>,
         ids: &mut Array<u32>,
         weights: &mut Array<f32>,
+        experts_out: &mut Array<u32>,
+        offsets: &mut Array<u32>,
+        pairs_out: &mut Array<u32>,
+        bounds: &mut Array<u32>,
         scale: f32,
         #[comptime] experts: usize,
         #[comptime] n_group: usize,
         #[comptime] topk_group: usize,
         #[comptime] top_k: usize,
         #[comptime] norm: bool,
+        #[comptime] grouped: bool,
     ) {
         let t = CUBE_POS as usize;
         let tid = UNIT_POS as usize;
@@ -298,6 +309,30 @@ mod gpu {
                 }
                 ids[t * top_k + j] = e;
                 weights[t * top_k + j] = w * scale;
+            }
+        }
+        if grouped {
+            // `chosen` is thread 0's (its last entry written after the last round's barrier).
+            sync_cube();
+            if tid < top_k {
+                let e = chosen[tid];
+                let mut rank = u32::new(0);
+                #[unroll]
+                for q in 0..top_k {
+                    if chosen[q] < e {
+                        rank += 1;
+                    }
+                }
+                experts_out[rank as usize] = e;
+                pairs_out[rank as usize] = tid as u32;
+                offsets[tid + 1] = tid as u32 + 1;
+            }
+            if tid == 0 {
+                offsets[0] = 0;
+                bounds[0] = 0;
+                bounds[1] = u32::new(comptime!(top_k as i64));
+                bounds[2] = u32::new(comptime!(top_k as i64));
+                bounds[3] = u32::new(comptime!(top_k as i64));
             }
         }
     }
@@ -462,7 +497,8 @@ mod gpu {
     }
 
     /// Routes `m` tokens on the device: `logits` `[m, spec.experts]` f32 (the gate's output), `bias`
-    /// `[spec.experts]` f32 (`e_score_correction_bias`). Two launches (route, group); nothing is read back.
+    /// `[spec.experts]` f32 (`e_score_correction_bias`). Two launches (route, group), one for a single token; nothing
+    /// is read back.
     ///
     /// # Errors
     /// `spec` fails [`RouterSpec::validate`], or `m` is 0.
@@ -483,10 +519,13 @@ mod gpu {
         let [ids, weights, experts, offsets, pair_ids, bounds] =
             crate::cuda::gpu::scratch(client, [pairs * 4, pairs * 4, e * 4, (e + 1) * 4, pairs * 4, 4 * 4]);
         let threads = spec.group_threads();
+        // One token: the route kernel writes the grouping itself (its experts are distinct, all one-token).
+        let grouped = m == 1;
         // SAFETY: `logits` holds `[m, E]` and `bias` `[E]` f32 (the caller's contract, sizes checked by the
         // kernels' array lengths); every output is allocated above at the size the kernels write: ids/weights/pairs
-        // `m * k`, experts `E`, offsets `E + 1`, bounds 4. Expert ids written are `< E` (each block picks among its
-        // `E` scores), so the grouping's per-expert threads cover them all.
+        // `m * k`, experts `E`, offsets `E + 1`, bounds 4 (the grouped route writes `k <= E` experts and pairs and
+        // `k + 1` offsets). Expert ids written are `< E` (each block picks among its `E` scores), so the grouping's
+        // per-expert threads cover them all.
         unsafe {
             route_kernel::launch_unchecked::<R>(
                 client,
@@ -496,13 +535,35 @@ mod gpu {
                 ArrayArg::from_raw_parts(bias.clone(), e),
                 ArrayArg::from_raw_parts(ids.clone(), pairs),
                 ArrayArg::from_raw_parts(weights.clone(), pairs),
+                ArrayArg::from_raw_parts(experts.clone(), e),
+                ArrayArg::from_raw_parts(offsets.clone(), e + 1),
+                ArrayArg::from_raw_parts(pair_ids.clone(), pairs),
+                ArrayArg::from_raw_parts(bounds.clone(), 4),
                 spec.routed_scaling_factor,
                 e,
                 spec.n_group,
                 spec.topk_group,
                 k,
                 spec.norm_topk_prob,
+                grouped,
             );
+        }
+        if grouped {
+            return Ok(GpuRouting::from_device(
+                m,
+                k,
+                e,
+                class_grid(m, k, e),
+                ids,
+                experts,
+                offsets,
+                pair_ids,
+                weights,
+                bounds,
+            ));
+        }
+        // SAFETY: as above.
+        unsafe {
             group_kernel::launch_unchecked::<R>(
                 client,
                 CubeCount::Static(1, 1, 1),

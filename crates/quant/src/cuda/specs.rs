@@ -359,6 +359,8 @@ pub enum KernelSpec {
         top_k: usize,
         /// Renormalised weights.
         norm: bool,
+        /// Writes the one-token grouping too (a decode step of one sequence).
+        grouped: bool,
     },
     /// `router::group_kernel` (the pairs grouped by expert, one block).
     Group {
@@ -479,9 +481,11 @@ impl KernelSpec {
             }
             Self::SplitBf16x3 => "split_bf16x3".into(),
             Self::Sum3 => "sum3 f32x4".into(),
-            Self::Route { experts, n_group, topk_group, top_k, norm } => {
-                format!("route e{experts} groups{n_group}/{topk_group} top{top_k} norm{}", u8::from(*norm))
-            }
+            Self::Route { experts, n_group, topk_group, top_k, norm, grouped } => format!(
+                "route e{experts} groups{n_group}/{topk_group} top{top_k} norm{}{}",
+                u8::from(*norm),
+                if *grouped { " grouped" } else { "" }
+            ),
             Self::Group { experts } => format!("group e{experts}"),
             Self::RmsNorm { width, add } => format!("rms_norm w{width}{}", if *add { " +res" } else { "" }),
             Self::RopeRows { half, interleave } => format!("rope_rows half{half} il{}", u8::from(*interleave)),
@@ -585,16 +589,15 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
 
 /// The device router's specialisations of `spec` (its top-k and its grouping).
 pub fn router_specs(spec: &crate::cuda::router::RouterSpec) -> Vec<KernelSpec> {
-    vec![
-        KernelSpec::Route {
-            experts: spec.experts,
-            n_group: spec.n_group,
-            topk_group: spec.topk_group,
-            top_k: spec.top_k,
-            norm: spec.norm_topk_prob,
-        },
-        KernelSpec::Group { experts: spec.experts },
-    ]
+    let route = |grouped| KernelSpec::Route {
+        experts: spec.experts,
+        n_group: spec.n_group,
+        topk_group: spec.topk_group,
+        top_k: spec.top_k,
+        norm: spec.norm_topk_prob,
+        grouped,
+    };
+    vec![route(false), route(true), KernelSpec::Group { experts: spec.experts }]
 }
 
 /// Every specialisation eyrie-model launches of the MLA and norm kernels (`cuda::{mla, norm, rope}`) for a model
