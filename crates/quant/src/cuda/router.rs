@@ -35,7 +35,8 @@ pub struct RouterSpec {
 /// Most routed experts the device router takes (the grouping holds one thread per expert in one block).
 pub const MAX_DEVICE_EXPERTS: usize = 1024;
 
-/// Threads of a [`route_kernel`] block.
+/// Threads of a [`route_kernel`] block. Group scores and the one-token grouping take a thread each, so `n_group`
+/// and `top_k` are at most this. (One warp measured slower: 8.4 -> 17.8 us a token on the H200, bench/REPORT.md.)
 pub const ROUTE_THREADS: usize = 128;
 
 /// Pair ids staged in shared memory at a time by [`group_kernel`].
@@ -60,6 +61,15 @@ impl RouterSpec {
             return bad(
                 "n_group",
                 format!("{} groups of {} experts: a group score needs two", self.n_group, self.experts),
+            );
+        }
+        if self.n_group > ROUTE_THREADS {
+            return bad("n_group", format!("{}: the device router takes at most {ROUTE_THREADS} groups", self.n_group));
+        }
+        if self.top_k > ROUTE_THREADS {
+            return bad(
+                "num_experts_per_tok",
+                format!("{}: the device router takes at most {ROUTE_THREADS}", self.top_k),
             );
         }
         if self.topk_group == 0 || self.topk_group > self.n_group {
@@ -600,6 +610,8 @@ mod tests {
         assert!(field(spec(8, 8, 1, 1)).contains("n_group"));
         assert!(field(spec(256, 8, 9, 8)).contains("topk_group"));
         assert!(field(spec(16, 8, 1, 3)).contains("num_experts_per_tok"));
+        assert!(field(spec(1024, 256, 1, 8)).contains("n_group"));
+        assert!(field(spec(1024, 1, 1, 129)).contains("num_experts_per_tok"));
         assert_eq!(spec(384, 1, 1, 8).group_threads(), 512);
         assert_eq!(spec(8, 1, 1, 2).group_threads(), 32);
     }
