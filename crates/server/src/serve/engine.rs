@@ -211,6 +211,10 @@ impl<B: Backend> Target<B> {
     }
 }
 
+/// Widest decode step the warm-up runs: every width up to here has launch shapes of its own on CUDA (the CUDA-core
+/// GEMV up to 4 rows, the tensor-core GEMV up to 12 by default and 16 at most); wider Linears take cuBLAS.
+pub const WARM_UP_WIDTHS: usize = 16;
+
 /// The state the engine thread owns.
 pub struct Engine<B: Backend> {
     target: Target<B>,
@@ -253,14 +257,26 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// One forward over a 1-token dummy sequence, so the first request does not pay for lazy initialisation
-    /// (kernel compilation, allocator growth); nothing stays cached.
+    /// Decode steps of 1, 2, .. dummy sequences of one token each (up to the batch a step holds, [`WARM_UP_WIDTHS`]
+    /// and the free KV blocks), so that the first requests do not pay for lazy initialisation: on CUDA each decode
+    /// width has launch shapes of its own (the GEMV kernels' tokens a block, the tensor-core GEMV's tiles, the
+    /// attention's heads a warp), and a kernel specialisation is compiled at its first launch; also the allocator's
+    /// growth. Nothing stays cached.
     pub fn warm_up(&mut self) -> anyhow::Result<()> {
-        let mut seq = SequenceCache::default();
-        let mut batch = [BatchEntry { seq: &mut seq, tokens: &[0] }];
-        let logits = self.target.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device);
-        self.cache.release(seq);
-        to_host(logits?)?;
+        let widest = self.config.max_running.min(WARM_UP_WIDTHS).min(self.cache.free_blocks()).max(1);
+        let tokens = [0u32];
+        for n in 1..=widest {
+            let mut seqs = vec![SequenceCache::default(); n];
+            let logits = {
+                let mut batch: Vec<BatchEntry<'_>> =
+                    seqs.iter_mut().map(|seq| BatchEntry { seq, tokens: &tokens }).collect();
+                self.target.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device)
+            };
+            for seq in seqs {
+                self.cache.release(seq);
+            }
+            to_host(logits?)?;
+        }
         Ok(())
     }
 
@@ -797,7 +813,7 @@ fn finish<B: Backend>(
     });
 }
 
-/// Spawns the engine thread: loads with `load`, warms up, then serves `rx`. `ready` is set once the warm-up step
+/// Spawns the engine thread: loads with `load`, warms up, then serves `rx`. `ready` is set once the warm-up steps
 /// ran; the returned handle's result is the load error, if loading failed.
 pub fn spawn<B: Backend, F>(
     load: F,

@@ -1,7 +1,7 @@
 //! `eyrie serve`: an OpenAI-compatible HTTP server over one model, in one process.
 //!
 //! Start-up: bind first (so `GET /health` answers 503 "loading" while the weights load), load the model on the
-//! engine thread, run one warm-up step, then print the URL and answer requests. A load failure exits non-zero with
+//! engine thread, run the warm-up steps (every decode width up to 16 sequences), then print the URL and answer requests. A load failure exits non-zero with
 //! the reason. SIGINT/SIGTERM: stop accepting, let in-flight requests finish until `--shutdown-timeout`, cancel
 //! the rest, join the engine thread (which frees the model and KV cache, GPU memory included) and exit 0.
 
@@ -157,7 +157,7 @@ struct Launch {
     state: Arc<AppState>,
     tx: mpsc::Sender<Message>,
     engine_thread: std::thread::JoinHandle<()>,
-    /// The load's outcome, once the warm-up step ran.
+    /// The load's outcome, once the warm-up steps ran.
     loaded: mpsc::Receiver<Result<()>>,
 }
 

@@ -85,6 +85,16 @@ async fn wait_idle(state: &Arc<AppState>) {
     panic!("the engine did not become idle: {:?}", state.metrics.gauges());
 }
 
+/// The warm-up's decode steps (widths 1 to 16 here) leave nothing behind: no KV block held, no prefix cached, no
+/// request counted, before the server says it is ready.
+#[test]
+fn warm_up_leaves_the_cache_empty() {
+    let s = start(&["--max-running-requests", "16"]);
+    let g = s.state.metrics.gauges();
+    assert!(g.kv_blocks_total >= 16, "{g:?}");
+    assert_eq!((g.kv_blocks_used, g.kv_blocks_cached, g.running, g.waiting), (0, 0, 0, 0), "{g:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_models_metrics_and_unknown_routes() {
     let s = start(&[]);
