@@ -4,6 +4,7 @@
 //! ```text
 //! gpu_kernels check                 # kernel vs CPU reference on random inputs; exit 1 on a mismatch
 //! gpu_kernels bench --json FILE     # Kimi-K2 shapes, batch 1/8/32/128, vs the copy bandwidth of the same run
+//! gpu_kernels prefill [--m 512,2048,8192] [--json FILE]  # prefill widths on tensor cores: tokens a pass of 3+-token experts
 //! ```
 //!
 //! Tolerance of `check`, norm-wise (`max |gpu - ref| / max |ref|`):
@@ -40,8 +41,9 @@ fn main() -> Result<()> {
     let json = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let check = args.iter().any(|a| a == "check");
     let bench = args.iter().any(|a| a == "bench");
-    if !check && !bench {
-        bail!("usage: gpu_kernels [check] [bench [--json FILE] [--m 1,8,32,128]]");
+    let prefill = args.iter().any(|a| a == "prefill");
+    if !check && !bench && !prefill {
+        bail!("usage: gpu_kernels [check] [bench [--json FILE] [--m 1,8,32,128]] [prefill [--m 512,2048,8192]]");
     }
     let ms: Vec<usize> = match args.iter().position(|a| a == "--m") {
         Some(i) => args
@@ -67,6 +69,11 @@ fn main() -> Result<()> {
     }
     if bench {
         run_bench(&client, &kimi, &gpu_kimi, json.as_deref(), &ms)?;
+    }
+    if prefill {
+        failed |= !check_prefill_tbs(&client)?;
+        let ms = if args.iter().any(|a| a == "--m") { ms } else { vec![512, 2048, 8192] };
+        run_prefill(&client, &gpu_kimi, &ms, json.as_deref())?;
     }
     if failed {
         bail!("GPU results differ from the CPU reference beyond tolerance");
@@ -141,6 +148,7 @@ fn run_checks(client: &ComputeClient<R>, kimi: &MoeExperts, gpu_kimi: &GpuExpert
         max_tb: 2,
         prefetch: false,
         mma: None,
+        mma_tb: 2,
     };
     report(KIMI, 64, TOPK, check_case(client, kimi, gpu_kimi, 64, TOPK, 150, &alt)?);
     let others = [
@@ -181,7 +189,73 @@ fn run_checks(client: &ComputeClient<R>, kimi: &MoeExperts, gpu_kimi: &GpuExpert
     let ex = MoeExperts::random(wide, 31)?;
     let gpu = GpuExperts::upload(client, &ex.kernel_layout());
     report(wide, 512, TOPK, check_case(client, &ex, &gpu, 512, TOPK, 600, &cfg)?);
+    failed |= !check_prefill_tbs(client)?;
     Ok(failed)
+}
+
+/// The tensor-core path at a prefill width (512 tokens of top-8 over 16 experts of 1024 x 512: ~256 tokens an
+/// expert) with every tokens-a-pass of the 3+-token experts ([`MoeConfig::mma_tb`]); true when all are within
+/// tolerance.
+fn check_prefill_tbs(client: &ComputeClient<R>) -> Result<bool> {
+    let wide = MoeShape { hidden: 1024, inter: 512, experts: 16, group: 32 };
+    let ex = MoeExperts::random(wide, 31)?;
+    let gpu = GpuExperts::upload(client, &ex.kernel_layout());
+    let mut ok = true;
+    for tb in eyrie_quant::cuda::specs::MMA_TBS {
+        let cfg = MoeConfig { mma_tb: tb, ..MoeConfig::for_tokens(512) };
+        let (exact, ct, active) = check_case(client, &ex, &gpu, 512, TOPK, 700 + tb as u64, &cfg)?;
+        let pass = ct.rel_to_max <= TOL_CT && exact.rel_to_max <= TOL_EXACT;
+        ok &= pass;
+        println!(
+            "| prefill check, {tb} tokens a pass | 512 | {active} experts | rel (CT) {:.3e} | rel (exact) {:.3e} | {} |",
+            ct.rel_to_max,
+            exact.rel_to_max,
+            if pass { "ok" } else { "FAIL" }
+        );
+    }
+    Ok(ok)
+}
+
+/// Prefill widths on the tensor-core path: the tuned shape for `m` tokens with each tokens-per-pass of the experts
+/// that have 3 or more tokens (`MoeConfig::mma_tb`), Kimi-K2's shape, uniform random routing (~`8 m / 384` tokens
+/// an expert). Prints ms per layer and TFLOP/s of useful work (`2 m topk 3 hidden inter`).
+fn run_prefill(client: &ComputeClient<R>, gpu: &GpuExperts<R>, ms: &[usize], json: Option<&str>) -> Result<()> {
+    let s = KIMI;
+    let mut rows = Vec::new();
+    println!("| m | tokens a pass (3+ tokens) | ms per layer | TFLOP/s (useful) | config |");
+    println!("|---|---|---|---|---|");
+    for (i, &m) in ms.iter().enumerate() {
+        let mut rng = SplitMix64::new(2000 + i as u64);
+        let x = client.create_from_slice(bf16::as_bytes(&rng.activations(m * s.hidden)));
+        let out = client.empty(m * s.hidden * 4);
+        let routings: Vec<_> = (0..2)
+            .map(|_| {
+                let (ids, weights) = rng.routing(m, TOPK, s.experts);
+                Routing::new(&ids, m, TOPK, s.experts).map(|r| GpuRouting::upload(client, &r, &weights))
+            })
+            .collect::<Result<_, _>>()?;
+        for tb in [2usize, 4, 8, 16] {
+            let cfg = MoeConfig { mma_tb: tb, ..MoeConfig::for_tokens(m) };
+            let us = time_us(client, 2, 3, 2, |j| {
+                moe_forward_with::<_, bf16>(client, gpu, &x, &routings[j % 2], &out, &cfg, Stages::All)
+            })?;
+            let flops = 2.0 * (m * TOPK * 3 * s.hidden * s.inter) as f64;
+            println!("| {m} | {tb} | {:.2} | {:.1} | {cfg:?} |", us / 1e3, flops / us / 1e6);
+            rows.push(serde_json::json!({"m": m, "mma_tb": tb, "ms": us / 1e3, "useful_tflops": flops / us / 1e6,
+                "config": format!("{cfg:?}")}));
+        }
+        drop::<(Handle, Handle)>((x, out));
+    }
+    if let Some(path) = json {
+        let doc = serde_json::json!({
+            "what": "fused INT4 MoE layer at prefill widths on tensor cores, by tokens a pass of the 3+-token experts",
+            "shape": {"hidden": s.hidden, "inter": s.inter, "experts": s.experts, "group": s.group, "topk": TOPK},
+            "timing": "wall clock over 2 calls between device syncs, median of 3, 2 uniform random routings cycled",
+            "rows": rows,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)?).with_context(|| format!("writing {path}"))?;
+    }
+    Ok(())
 }
 
 /// Launch shapes tried per batch size; the fastest is reported (all compute the same result): the CUDA-core
@@ -204,6 +278,7 @@ fn cuda_core_sweep(m: usize) -> Vec<MoeConfig> {
         max_tb,
         prefetch,
         mma: None,
+        mma_tb: 4,
     };
     match m {
         0 | 1 => vec![

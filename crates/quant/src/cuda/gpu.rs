@@ -11,7 +11,7 @@ use cubecl::server::Handle;
 use super::experts::{KernelLayout, MoeShape, Routing};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::moe_mma::{expert_mma_kernel, split_x3_kernel};
-use super::specs::{ExpertMmaSpec, ExpertRowsSpec, class_tbs};
+use super::specs::{ExpertMmaSpec, ExpertRowsSpec, class_tbs, mma_class_tbs};
 
 /// 16-byte vectors: four packed words, or four f32 activations.
 const VEC: usize = 4;
@@ -35,6 +35,11 @@ pub struct MoeConfig {
     /// Run the experts on tensor cores (`moe_mma`) with this launch shape, where the shape allows it
     /// ([`crate::cuda::specs::ExpertMmaSpec::fits`]); `None`: the CUDA-core kernels.
     pub mma: Option<MmaShape>,
+    /// Tensor-core path: tokens per pass of the experts with 3 or more tokens (one of
+    /// [`crate::cuda::specs::MMA_TBS`]; [`crate::cuda::specs::mma_class_tbs`]). Each pass reads the expert's
+    /// weights once, so at prefill widths (~170 tokens an expert in an 8192-token chunk) it divides the weight
+    /// traffic; the tensor-core kernel takes its activations from global memory, so shared memory does not cap it.
+    pub mma_tb: usize,
 }
 
 /// Launch shape of the tensor-core expert kernels (`moe_mma::expert_mma_kernel`).
@@ -71,6 +76,7 @@ impl Default for MoeConfig {
             max_tb: 4,
             prefetch: false,
             mma: None,
+            mma_tb: 4,
         }
     }
 }
@@ -90,9 +96,27 @@ impl MoeConfig {
             0 | 1 => Self { warps: 16, rows_per_warp_13: 1, rows_per_warp_2: 1, mma: mma(2, 2, 2, 2, 2), ..d },
             2..=16 => Self { mma: mma(2, 4, 1, 8, 1), ..d },
             17..=64 => Self { rows_per_warp_2: 4, rows_at_once_2: 2, mma: mma(4, 2, 2, 4, 2), ..d },
-            _ => {
-                Self { rows_per_warp_2: 4, rows_at_once_2: 2, max_tb: 2, prefetch: true, mma: mma(4, 2, 2, 4, 2), ..d }
-            }
+            // Tensor cores: 8 tokens a pass of the 3+-token experts up to 512 tokens, 16 above (prefill chunks): at
+            // 8192 tokens 288 -> 140 -> 116 ms for 2 -> 8 -> 16 a pass, at 256 tokens 6.4 (4) / 6.6 (8) / 7.5 (16)
+            // ms (`gpu_kernels prefill`, session 13).
+            65..=512 => Self {
+                rows_per_warp_2: 4,
+                rows_at_once_2: 2,
+                max_tb: 2,
+                prefetch: true,
+                mma: mma(4, 2, 2, 4, 2),
+                mma_tb: 8,
+                ..d
+            },
+            _ => Self {
+                rows_per_warp_2: 4,
+                rows_at_once_2: 2,
+                max_tb: 2,
+                prefetch: true,
+                mma: mma(4, 2, 2, 4, 2),
+                mma_tb: 16,
+                ..d
+            },
         }
     }
 
@@ -496,9 +520,10 @@ fn moe_forward_inner<R: Runtime, A: Float>(
 
 /// Whether every launch of the tensor-core path takes `shape` under `mm`.
 fn mma_fits(shape: &MoeShape, topk: usize, mm: &MmaShape, cfg: &MoeConfig) -> bool {
-    class_tbs(cfg)
-        .into_iter()
-        .all(|tb| ExpertMmaSpec::gate_up(shape, topk, mm, tb).fits() && ExpertMmaSpec::down(shape, topk, mm, tb).fits())
+    crate::cuda::specs::MMA_TBS.contains(&cfg.mma_tb)
+        && mma_class_tbs(cfg).into_iter().all(|tb| {
+            ExpertMmaSpec::gate_up(shape, topk, mm, tb).fits() && ExpertMmaSpec::down(shape, topk, mm, tb).fits()
+        })
 }
 
 /// `split_x3_kernel` of `rows` rows of width `k` from `x` (type `A`) into `out` (`[rows, 3, k / 2]` words).
@@ -579,14 +604,14 @@ fn mma_experts<R: Runtime, A: Float>(
     };
     if matches!(stages, Stages::All | Stages::GateUp) {
         split_x3::<R, A>(client, x, xs, routing.m, s.hidden);
-        for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
+        for (class, tb) in mma_class_tbs(cfg).into_iter().enumerate() {
             let spec = ExpertMmaSpec::gate_up(&s, routing.topk, mm, tb);
             launch(spec, class, xs, routing.m * 3 * s.hidden / 8, &experts.w13, &experts.s13, h, n_pairs * s.inter);
         }
     }
     if matches!(stages, Stages::All | Stages::Down) {
         split_x3::<R, f32>(client, h, hs, n_pairs, s.inter);
-        for (class, tb) in class_tbs(cfg).into_iter().enumerate() {
+        for (class, tb) in mma_class_tbs(cfg).into_iter().enumerate() {
             let spec = ExpertMmaSpec::down(&s, routing.topk, mm, tb);
             launch(spec, class, hs, n_pairs * 3 * s.inter / 8, &experts.w2, &experts.s2, y, n_pairs * s.hidden);
         }

@@ -143,12 +143,18 @@ impl ExpertRowsSpec {
     }
 }
 
-/// Tokens per pass the tensor-core kernels are built for (1 and 2 fill one MMA's 8 columns with 3 parts each).
-pub const MMA_TBS: [usize; 4] = [1, 2, 4, 8];
+/// Tokens per pass the tensor-core kernels are built for (1 and 2 fill one MMA's 8 columns with 3 parts each; 8 and
+/// 16 are the prefill widths' passes, [`MoeConfig::mma_tb`]).
+pub const MMA_TBS: [usize; 5] = [1, 2, 4, 8, 16];
 
-/// Tokens per pass of the three expert classes (1, 2 and 3+ routed tokens) under `cfg`.
+/// Tokens per pass of the three expert classes (1, 2 and 3+ routed tokens) under `cfg` (the CUDA-core kernels).
 pub fn class_tbs(cfg: &MoeConfig) -> [usize; 3] {
     [1usize, 2, 4].map(|tb| tb.min(cfg.max_tb))
+}
+
+/// Tokens per pass of the three expert classes on the tensor-core path: 1, 2 and [`MoeConfig::mma_tb`].
+pub fn mma_class_tbs(cfg: &MoeConfig) -> [usize; 3] {
+    [1, 2, cfg.mma_tb]
 }
 
 /// Comptime arguments of one `moe_mma::expert_mma_kernel` specialisation (the kernel's documentation).
@@ -764,13 +770,24 @@ mod tests {
                     assert!(rows.contains(&(act, ExpertRowsSpec::gate_up(&KIMI, 8, &cfg, tb))), "m {m} tb {tb}");
                 }
                 assert!(rows.contains(&(Act::F32, ExpertRowsSpec::down(&KIMI, 8, &cfg, tb))), "m {m} tb {tb}");
-                // The tensor-core path the tuned shape takes at Kimi's shape, and its activation splits.
-                let mm = cfg.mma.expect("every tuned shape runs on tensor cores");
+            }
+            // The tensor-core path the tuned shape takes at Kimi's shape (its own tokens per pass).
+            let mm = cfg.mma.expect("every tuned shape runs on tensor cores");
+            for tb in mma_class_tbs(&cfg).into_iter().take(m) {
+                assert!(MMA_TBS.contains(&tb), "m {m} tb {tb}");
                 for spec in [ExpertMmaSpec::gate_up(&KIMI, 8, &mm, tb), ExpertMmaSpec::down(&KIMI, 8, &mm, tb)] {
                     assert!(spec.fits(), "m {m} tb {tb}");
                     assert!(specs.contains(&KernelSpec::ExpertMma { spec }), "m {m} tb {tb}: {spec:?}");
                 }
             }
+        }
+        // Prefill widths: experts with 3+ tokens take 8 or 16 a pass on tensor cores (4-8x fewer reads of their
+        // weights than the CUDA-core kernels' 2), and those shapes are listed too.
+        assert_eq!(mma_class_tbs(&MoeConfig::for_tokens(512)), [1, 2, 8]);
+        assert_eq!(mma_class_tbs(&MoeConfig::for_tokens(8192)), [1, 2, 16]);
+        let mm = MoeConfig::for_tokens(8192).mma.unwrap();
+        for spec in [ExpertMmaSpec::gate_up(&KIMI, 8, &mm, 16), ExpertMmaSpec::down(&KIMI, 8, &mm, 16)] {
+            assert!(specs.contains(&KernelSpec::ExpertMma { spec }), "{spec:?}");
         }
         for (act, k) in [(Act::Bf16, 7168), (Act::F32, 7168), (Act::F32, 2048)] {
             assert!(specs.contains(&KernelSpec::SplitX3 { act, k }));
