@@ -134,6 +134,14 @@ pub(crate) fn persistent_allocations<B: burn::tensor::backend::Backend, R>(
     out
 }
 
+/// Whether `B` is burn's CUDA backend (kernels compile at their first launch there: servers warm up more).
+pub fn is_cuda_backend<B: burn::tensor::backend::Backend>() -> bool {
+    #[cfg(feature = "cuda")]
+    return crate::cuda_ops::is_cuda::<B>();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

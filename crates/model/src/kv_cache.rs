@@ -100,6 +100,17 @@ impl<B: Backend> PagedMlaCache<B> {
         self.blocks.available()
     }
 
+    /// On CUDA, launches every attention specialisation the model can pick for `heads` heads of latent rank `r`
+    /// (`kv_lora_rank`) over this cache's layer-0 pool once (`cuda_ops::warm_up_attention`: reads the pool, writes nothing), so that no attention kernel
+    /// compiles mid-serving; the number of launch shapes, or `None` elsewhere.
+    ///
+    /// # Errors
+    /// The launcher's or the device's message.
+    #[cfg(feature = "cuda")]
+    pub fn warm_up_attention(&self, heads: usize, r: usize) -> Option<Result<usize, String>> {
+        crate::cuda_ops::warm_up_attention(self.pools.first()?, heads, r)
+    }
+
     /// All blocks.
     pub fn num_blocks(&self) -> usize {
         self.blocks.num_blocks()

@@ -2,7 +2,7 @@
 //! runs on a CUDA machine, built with `--features cuda`.
 //!
 //! ```text
-//! gpu_attention [--json FILE] [--quick] [--sweep]
+//! gpu_attention [--json FILE] [--quick] [--sweep] [--small]
 //! ```
 //!
 //! Check: random never-zero queries and latents, page tables of shuffled blocks, decode rows of several sequences
@@ -162,6 +162,7 @@ fn main() -> Result<()> {
     let json = args.iter().position(|a| a == "--json").and_then(|i| args.get(i + 1)).cloned();
     let quick = args.iter().any(|a| a == "--quick");
     let sweep = args.iter().any(|a| a == "--sweep");
+    let small = args.iter().any(|a| a == "--small");
     let client = R::client(&CudaDevice::default());
     let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
     let smem = client.properties().hardware.max_shared_memory_size;
@@ -360,6 +361,75 @@ fn main() -> Result<()> {
                     sweep_json.push(serde_json::json!({"batch": batch, "context": ctx, "heads_per_warp": hpw,
                         "warps": warps, "chunk": chunk,
                         "splits": cfg.splits, "blocks": blocks, "us": us, "auto": auto == Some(cfg)}));
+                }
+            }
+        }
+    }
+    // Small batches (`--small`): GPU time of every heads a warp x 4 or 8 warps x slice length at 1 and 2 rows,
+    // measured behind a 2 GiB copy so the host's enqueue (longer than the kernels there) is hidden: (copy + 10
+    // calls) - copy, medians of 7.
+    if small {
+        println!("\nsmall batches, GPU time behind a copy: us per layer (auto choice marked *)");
+        println!(
+            "| batch | context | heads a warp | warps | positions a slice | slices | blocks | GPU us/layer |\n|---|---|---|---|---|---|---|---|"
+        );
+        let floats = 1usize << 29;
+        let (src, dst) = (client.empty(floats * 4), client.empty(floats * 4));
+        let median7 = |f: &dyn Fn() -> Result<()>| -> Result<f64> {
+            let mut t = Vec::new();
+            for _ in 0..7 {
+                sync(&client)?;
+                let t0 = Instant::now();
+                f()?;
+                sync(&client)?;
+                t.push(t0.elapsed().as_secs_f64());
+            }
+            t.sort_by(f64::total_cmp);
+            Ok(t[3])
+        };
+        let copy_only = median7(&|| {
+            eyrie_quant::cuda::copy_f32(&client, &src, &dst, floats);
+            Ok(())
+        })?;
+        for (ctx, batch) in [(1024usize, 1usize), (1040, 1), (1024, 2), (4096, 1)] {
+            let lens = vec![ctx; batch];
+            let slots = batch * ctx.div_ceil(bs) * bs;
+            let case = Case { name: "small", heads, r, rot, block_size: bs, lens: lens.clone(), new: vec![1; batch] };
+            let (t, max_blocks) = tables(&mut rng, &lens, bs, slots);
+            let rows = rows_of(&case, t, max_blocks);
+            let q_dev = client.create_from_slice(f32::as_bytes(&values(&mut rng, batch * heads * d, 1.0)));
+            let cache = client.create_from_slice(f32::as_bytes(&values(&mut rng, slots * d, 1.0)));
+            let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
+            let out = client.empty(batch * heads * r * 4);
+            let auto = AttentionConfig::new(batch, heads, ctx, d, sms, smem);
+            for (hpw, warps) in HEADS_PER_WARP.iter().flat_map(|&h| [4usize, 8].map(|w| (h, w))) {
+                if attention_shared_bytes(d, warps, hpw) > smem || hpw * warps > heads {
+                    continue;
+                }
+                for chunk in [32usize, 64, 128] {
+                    let cfg = AttentionConfig { warps, hpw, splits: ctx.div_ceil(chunk), chunk };
+                    let run = || {
+                        mla_attention(&client, &q_dev, &cache, slots, &rows, &meta, &out, heads, r, rot, 0.07, cfg)
+                            .map_err(anyhow::Error::msg)
+                    };
+                    run()?;
+                    let with = median7(&|| {
+                        eyrie_quant::cuda::copy_f32(&client, &src, &dst, floats);
+                        for _ in 0..10 {
+                            run()?;
+                        }
+                        Ok(())
+                    })?;
+                    let us = (with - copy_only) / 10.0 * 1e6;
+                    let blocks = cfg.blocks(batch, heads);
+                    let mark = if auto == Some(cfg) { "*" } else { "" };
+                    println!(
+                        "| {batch} | {ctx} | {hpw} | {warps} | {chunk} | {} | {blocks} | {us:.1}{mark} |",
+                        cfg.splits
+                    );
+                    sweep_json.push(serde_json::json!({"small": true, "batch": batch, "context": ctx,
+                        "heads_per_warp": hpw, "warps": warps, "chunk": chunk, "splits": cfg.splits,
+                        "blocks": blocks, "gpu_us": us, "auto": auto == Some(cfg)}));
                 }
             }
         }

@@ -89,6 +89,32 @@ pub(crate) fn mla_attention<B: Backend>(
     Some(o.swap_dims(0, 1))
 }
 
+/// Compiles every attention specialisation the model can launch for `heads` heads over `pool` (a layer of the
+/// paged latent cache, `[slots, r + rot]`) by launching each once on zero queries
+/// (`eyrie_quant::cuda::attention::warm_up`; the pool is read, not written): a server's warm-up, so that the first
+/// long context or wide batch does not wait for NVRTC. Returns the number of launch shapes, or `None` when `B` is
+/// not CUDA or the pool not f32.
+///
+/// # Errors
+/// The launcher's message when it refuses the sizes, or the device's when the launches fail.
+pub fn warm_up_attention<B: Backend>(pool: &Tensor<B, 2>, heads: usize, r: usize) -> Option<Result<usize, String>> {
+    let [slots, width] = pool.dims();
+    if !is_cuda::<B>() || pool.dtype() != DType::F32 || width <= r {
+        return None;
+    }
+    let pc = float(pool.clone())?;
+    let client = pc.client.clone();
+    let shapes = match eyrie_quant::cuda::attention::warm_up(&client, &pc.handle, slots, heads, r, width - r) {
+        Ok(n) => n,
+        Err(e) => return Some(Err(e)),
+    };
+    Some(
+        cubecl::future::block_on(client.sync())
+            .map(|_| shapes)
+            .map_err(|e| format!("attention warm-up: device error {e:?}")),
+    )
+}
+
 /// Writes `rows` `[n, width]` into rows `slots` of `pool` in place through eyrie-quant's `write_rows` kernel (one
 /// launch), or returns false (not CUDA, not f32, `pool` not contiguous, a size refused) and writes nothing.
 pub(crate) fn write_rows<B: Backend>(pool: &Tensor<B, 2>, rows: Tensor<B, 2>, slots: &[u32]) -> bool {

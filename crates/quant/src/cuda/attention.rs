@@ -170,6 +170,7 @@ pub fn attention_shared_bytes(d: usize, warps: usize, hpw: usize) -> usize {
 
 /// Heads a warp of the attention may own: fewer heads a warp is a shorter chain of dependent work a tile (the
 /// batch-1 fixed cost), more heads a warp reads each latent tile into fewer blocks.
+/// One head a warp and 16-warp blocks were measured too (session 13, `gpu_attention --small`): never the fastest.
 pub const HEADS_PER_WARP: [usize; 3] = [2, 4, 8];
 
 /// Launch shape of the attention: warps per block, heads per warp and slices per query row.
@@ -189,7 +190,7 @@ impl AttentionConfig {
     /// The shape for `rows` query rows of `heads` heads over at most `max_len` positions, latents of width `d`, on
     /// a device with `sms` multiprocessors and `smem` bytes of shared memory per block. Heads a warp: 8 (each
     /// latent tile read into the fewest blocks) when the rows' 32-position tiles give every multiprocessor at least
-    /// 8 warp tasks, else 4 (at 4 tasks a multiprocessor) or 2, so short contexts at small batches still fill the
+    /// 8 warp tasks, else 4 (at 6 tasks a multiprocessor) or 2, so short contexts at small batches still fill the
     /// GPU with short chains (the batch-1 fixed cost). Then as many warps as the heads fill (at most 8) and the shared memory allows, then
     /// enough slices (of at least 32 positions) to give every multiprocessor at most one block; at 8 heads a warp,
     /// when even 32-position slices leave multiprocessors idle, half the warps a block and twice the blocks. Tuned
@@ -202,11 +203,13 @@ impl AttentionConfig {
         }
         let tiles = max_len.div_ceil(32);
         let tasks = |hpw: usize| rows * tiles * heads.div_ceil(hpw);
-        // 8 heads a warp at 8 warp tasks a multiprocessor, 4 at 4, else 2 (the H200 sweep's best or within 3% of it
-        // at 1, 2, 4 and 8 rows over 1k and 1 and 8 rows over 8k: bench/REPORT.md, session 11).
+        // 8 heads a warp at 8 warp tasks a multiprocessor, 4 at 6, else 2 (the H200 sweep's best or within 3% of it
+        // at 1, 2, 4 and 8 rows over 1k and 1 and 8 rows over 8k: bench/REPORT.md, session 11; 4 at 4 tasks, as
+        // then, gave one row over 1040 positions 4 heads a warp: 32.5 us of GPU time against 26.2 with 2, session
+        // 13's GPU-timed sweep, `gpu_attention --small`).
         let hpw = if tasks(8) >= 8 * sms {
             8
-        } else if tasks(4) >= 4 * sms {
+        } else if tasks(4) >= 6 * sms {
             4
         } else {
             2
@@ -233,10 +236,32 @@ impl AttentionConfig {
     pub fn blocks(&self, rows: usize, heads: usize) -> usize {
         self.splits * rows * heads.div_ceil(self.hpw * self.warps)
     }
+
+    /// Every (warps, heads a warp) that [`Self::new`] can pick for `heads` heads of latents of width `d` on a device
+    /// of `smem` bytes of shared memory a block, over all rows and lengths, each as one slice of 32 positions: each
+    /// is a kernel specialisation of its own, compiled at its first launch, so a server's warm-up launches them all
+    /// ([`gpu::warm_up`]) instead of finding out which one a long context or a wide batch picks mid-serving.
+    pub fn variants(heads: usize, d: usize, smem: usize) -> Vec<Self> {
+        let mut out = Vec::new();
+        for hpw in HEADS_PER_WARP {
+            let mut warps = heads.div_ceil(hpw).clamp(1, 8);
+            while warps > 1 && attention_shared_bytes(d, warps, hpw) > smem {
+                warps -= 1;
+            }
+            if heads == 0 || attention_shared_bytes(d, warps, hpw) > smem {
+                continue;
+            }
+            out.push(Self { warps, hpw, splits: 1, chunk: 32 });
+            if hpw == 8 && warps >= 2 {
+                out.push(Self { warps: warps / 2, hpw, splits: 1, chunk: 32 });
+            }
+        }
+        out
+    }
 }
 
 #[cfg(feature = "cuda")]
-pub use gpu::{mla_attention, mla_attention_kernel, mla_combine_kernel, write_rows, write_rows_kernel};
+pub use gpu::{mla_attention, mla_attention_kernel, mla_combine_kernel, warm_up, write_rows, write_rows_kernel};
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -699,6 +724,40 @@ mod gpu {
         Ok(())
     }
 
+    /// Launches every attention specialisation [`AttentionConfig::new`] can pick for `heads` heads over `cache`
+    /// (`[slots, r + rot]` f32, at least 64 rows: the pool the model will read, so that the launches index it as
+    /// the model's do), each over one query row of zeros that sees the pool's first 64 rows in two slices (so the
+    /// combine compiles too): a warm-up, so that no kernel compiles at the first long context or wide batch.
+    /// Nothing is written to `cache`. Returns the number of launch shapes ([`AttentionConfig::variants`]).
+    ///
+    /// # Errors
+    /// As [`mla_attention`] (a size it refuses), or fewer than 64 cache rows.
+    pub fn warm_up<R: Runtime>(
+        client: &ComputeClient<R>,
+        cache: &Handle,
+        slots: usize,
+        heads: usize,
+        r: usize,
+        rot: usize,
+    ) -> Result<usize, String> {
+        let (d, len) = (r + rot, 64usize);
+        if slots < len {
+            return Err(format!("attention warm-up: a cache of {slots} rows, at least {len} needed"));
+        }
+        let smem = client.properties().hardware.max_shared_memory_size;
+        let rows =
+            PagedRows { row_seq: vec![0], row_len: vec![len as u32], tables: vec![0], max_blocks: 1, block_size: len };
+        let q = client.create_from_slice(u32::as_bytes(&vec![0u32; heads * d]));
+        let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
+        let out = client.empty(heads * r * 4);
+        let variants = AttentionConfig::variants(heads, d, smem);
+        for cfg in &variants {
+            let cfg = AttentionConfig { splits: 2, ..*cfg };
+            mla_attention(client, &q, cache, slots, &rows, &meta, &out, heads, r, rot, 1.0, cfg)?;
+        }
+        Ok(variants.len())
+    }
+
     /// `out` `[rows, heads, r]` f32 = the attention of every query row (module docs of
     /// `eyrie_quant::cuda::attention`): `q` `[rows, heads, r + rot]` f32, `cache` `[slots, r + rot]` f32, `meta`
     /// the u32 buffer of [`PagedRows::packed`] for `rows`. Two launches when rows are split, one otherwise.
@@ -926,6 +985,10 @@ mod tests {
         let c = AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024).unwrap();
         assert_eq!(c, AttentionConfig { warps: 8, hpw: 2, splits: 32, chunk: 32 });
         assert_eq!(c.blocks(1, 64), 128);
+        // One more tile (a decode step past 1024 positions) keeps 2 heads a warp (GPU-timed: 26.2 us against 32.5
+        // with 4, session 13).
+        let c = AttentionConfig::new(1, 64, 1040, 576, 132, 227 * 1024).unwrap();
+        assert_eq!((c.warps, c.hpw, c.chunk), (8, 2, 32));
         // Two and four rows over 1k: 4 heads a warp (the sweep's best shapes).
         assert_eq!(
             AttentionConfig::new(2, 64, 1024, 576, 132, 227 * 1024),
@@ -949,5 +1012,26 @@ mod tests {
         }
         // A prefill chunk of 1024 rows needs no split.
         assert_eq!(AttentionConfig::new(1024, 64, 1024, 576, 132, 227 * 1024).unwrap().splits, 1);
+    }
+
+    #[test]
+    fn variants_cover_every_shape_new_picks() {
+        // H200 and SM120 shared memory, Kimi's 64 heads and a tensor-parallel rank's 32, 16 and 8, the tiny model's 4.
+        for (sms, smem) in [(132, 227 * 1024), (188, 99 * 1024)] {
+            for heads in [64, 32, 16, 8, 4] {
+                let variants = AttentionConfig::variants(heads, 576, smem);
+                assert!(!variants.is_empty() && variants.len() <= 4, "{heads} heads: {variants:?}");
+                for rows in [1, 2, 3, 4, 8, 16, 17, 33, 64, 128, 256, 2048] {
+                    for len in [1, 31, 64, 500, 1024, 4096, 8192, 65536] {
+                        let c = AttentionConfig::new(rows, heads, len, 576, sms, smem).unwrap();
+                        assert!(
+                            variants.iter().any(|v| (v.warps, v.hpw) == (c.warps, c.hpw)),
+                            "{heads} heads, {rows} rows over {len}: {c:?} not in {variants:?}"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(AttentionConfig::variants(0, 576, 227 * 1024).is_empty());
     }
 }

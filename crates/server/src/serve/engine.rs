@@ -211,9 +211,27 @@ impl<B: Backend> Target<B> {
     }
 }
 
-/// Widest decode step the warm-up runs: every width up to here has launch shapes of its own on CUDA (the CUDA-core
-/// GEMV up to 4 rows, the tensor-core GEMV up to 12 by default and 16 at most); wider Linears take cuBLAS.
-pub const WARM_UP_WIDTHS: usize = 16;
+/// Widest decode step the warm-up runs on CUDA (within `--max-running-requests` and the free KV blocks): every
+/// width up to here may pick launch shapes of its own (the GEMV kernels up to 16 rows, the fused MoE's shape
+/// classes at 1, 2-16, 17-64 and more tokens, the absorption kernels', the attention's), and eyrie-quant's MoE
+/// takes at most this many tokens a step in its decode shapes (`MAX_TOKENS`).
+pub const WARM_UP_WIDTHS: usize = 256;
+
+/// The warm-up's tokens for a step of `n` one-token sequences: rows 0-2 share one token and rows 3-4 another, the
+/// rest are distinct, so the fused MoE sees experts with 3+, 2 and 1 tokens (its three shape classes) at every
+/// width from 6 on; below, as many distinct ones as fit.
+pub fn warm_up_tokens(n: usize, vocab: usize) -> Vec<u32> {
+    let vocab = vocab.max(1) as u64;
+    let token = |i: usize| ((i as u64 * 7919 + 11) % vocab) as u32;
+    (0..n)
+        .map(|i| match (n, i) {
+            (0..=5, _) => token(i),
+            (_, 0..=2) => token(0),
+            (_, 3 | 4) => token(3),
+            _ => token(i),
+        })
+        .collect()
+}
 
 /// The state the engine thread owns.
 pub struct Engine<B: Backend> {
@@ -257,19 +275,32 @@ impl<B: Backend> Engine<B> {
         }
     }
 
-    /// Decode steps of 1, 2, .. dummy sequences of one token each (up to the batch a step holds, [`WARM_UP_WIDTHS`]
-    /// and the free KV blocks), so that the first requests do not pay for lazy initialisation: on CUDA each decode
-    /// width has launch shapes of its own (the GEMV kernels' tokens a block, the tensor-core GEMV's tiles, the
-    /// attention's heads a warp), and a kernel specialisation is compiled at its first launch; also the allocator's
-    /// growth. Nothing stays cached.
-    pub fn warm_up(&mut self) -> anyhow::Result<()> {
-        let widest = self.config.max_running.min(WARM_UP_WIDTHS).min(self.cache.free_blocks()).max(1);
-        let tokens = [0u32];
-        for n in 1..=widest {
+    /// Runs the step shapes serving will run, so that the first requests do not pay for lazy initialisation: on
+    /// CUDA a kernel specialisation compiles at its first launch (NVRTC, tens to hundreds of ms each) and each step
+    /// width and context picks launch shapes of its own, so a server that warmed up one width compiled kernels in
+    /// the middle of its first requests (the H200 serving sweep's first run: 3 s TTFT at p99, TPOT 35 ms at 64
+    /// concurrent requests instead of 8, bench/REPORT.md). On CUDA: decode steps of every width from 1 to
+    /// [`WARM_UP_WIDTHS`] one-token sequences (within the rows `--max-running-requests` sequences send a step, times
+    /// the verified drafts with speculative decoding, and the free KV blocks; tokens from [`warm_up_tokens`]), then one prompt of a prefill chunk's length (`--chunked-prefill-size`, within the context
+    /// and the free blocks), then every attention launch shape over the cache (long contexts pick other shapes than
+    /// these steps do). Elsewhere (nothing compiles at run time): widths 1 and the widest, which still grows the
+    /// allocator. Nothing stays cached; the EAGLE-3 drafter's own launches are not warmed up. Returns what it ran,
+    /// for the startup log.
+    pub fn warm_up(&mut self) -> anyhow::Result<String> {
+        let started = Instant::now();
+        let cuda = cfg!(feature = "cuda") && eyrie_model::device::is_cuda_backend::<B>();
+        let vocab = self.target.config().vocab_size;
+        // Speculative decoding verifies `decode_width` rows a sequence: the target sees up to that many times the
+        // running sequences' rows a step.
+        let rows = self.config.max_running.saturating_mul(self.decode_width());
+        let widest = rows.min(WARM_UP_WIDTHS).min(self.cache.free_blocks()).max(1);
+        let widths: Vec<usize> = if cuda { (1..=widest).collect() } else { vec![1, widest] };
+        for &n in &widths {
+            let tokens = warm_up_tokens(n, vocab);
             let mut seqs = vec![SequenceCache::default(); n];
             let logits = {
                 let mut batch: Vec<BatchEntry<'_>> =
-                    seqs.iter_mut().map(|seq| BatchEntry { seq, tokens: &tokens }).collect();
+                    seqs.iter_mut().zip(tokens.chunks(1)).map(|(seq, tokens)| BatchEntry { seq, tokens }).collect();
                 self.target.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device)
             };
             for seq in seqs {
@@ -277,7 +308,33 @@ impl<B: Backend> Engine<B> {
             }
             to_host(logits?)?;
         }
-        Ok(())
+        let mut done = format!("decode widths 1..={widest}");
+        let prompt = self
+            .config
+            .chunked_prefill
+            .min(self.config.context_length.saturating_sub(1))
+            .min(self.cache.free_blocks() * self.cache.block_size());
+        if cuda && prompt > widest {
+            let tokens: Vec<u32> =
+                (0..prompt).map(|i| ((i as u64 * 104_729 + 7) % vocab.max(1) as u64) as u32).collect();
+            let mut seq = SequenceCache::default();
+            let logits = {
+                let mut batch = [BatchEntry { seq: &mut seq, tokens: &tokens }];
+                self.target.forward_batch(&mut batch, &mut self.cache, LogitRows::Last, &self.device)
+            };
+            self.cache.release(seq);
+            to_host(logits?)?;
+            done += &format!(", a {prompt}-token prompt");
+        }
+        #[cfg(feature = "cuda")]
+        if cuda && let Target::Single(m) = &self.target {
+            let (heads, r) = (m.config.num_heads, m.config.kv_lora_rank);
+            if let Some(shapes) = self.cache.warm_up_attention(heads, r) {
+                let shapes = shapes.map_err(|e| anyhow::anyhow!("warm-up: {e}"))?;
+                done += &format!(", {shapes} attention launch shapes");
+            }
+        }
+        Ok(format!("{done} in {:.1} s", started.elapsed().as_secs_f64()))
     }
 
     /// Runs until a shutdown's deadline passes with everything finished, or every sender is gone.
@@ -827,7 +884,8 @@ where
     std::thread::Builder::new().name("eyrie-engine".into()).spawn(move || {
         let engine = catch_unwind(AssertUnwindSafe(|| {
             let mut engine = load()?;
-            engine.warm_up()?;
+            let warmed = engine.warm_up()?;
+            eprintln!("eyrie: warm-up: {warmed}");
             anyhow::Ok(engine)
         }));
         let engine = match engine {

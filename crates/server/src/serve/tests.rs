@@ -95,6 +95,23 @@ fn warm_up_leaves_the_cache_empty() {
     assert_eq!((g.kv_blocks_used, g.kv_blocks_cached, g.running, g.waiting), (0, 0, 0, 0), "{g:?}");
 }
 
+#[test]
+fn warm_up_tokens_give_the_moe_experts_of_one_two_and_three_tokens() {
+    use super::engine::warm_up_tokens;
+    assert_eq!(warm_up_tokens(1, 1000), vec![11]);
+    // Up to 5 rows: all distinct.
+    let t = warm_up_tokens(5, 163_840);
+    assert!((1..5).all(|i| !t[..i].contains(&t[i])), "{t:?}");
+    for n in [6, 16, 17, 64, 65, 256] {
+        let t = warm_up_tokens(n, 163_840);
+        let count = |x: u32| t.iter().filter(|&&y| y == x).count();
+        assert_eq!((count(t[0]), count(t[3]), count(t[5])), (3, 2, 1), "{n}: {t:?}");
+        assert!(t[5..].iter().all(|&x| count(x) == 1), "{n}");
+    }
+    // Every token is inside the vocabulary, even a tiny one.
+    assert!(warm_up_tokens(256, 7).iter().all(|&x| x < 7));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_models_metrics_and_unknown_routes() {
     let s = start(&[]);
