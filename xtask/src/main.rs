@@ -103,6 +103,9 @@ fn ci() -> Result<()> {
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     tidy::run(&workspace_root())?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--locked", "--", "-D", "warnings"]))?;
+    // eyrie-quant is reusable alone: it must build without the features the workspace turns on for it (a
+    // `cuda`-only item outside `cfg(feature = "cuda")` broke that unnoticed from session 6 to 13).
+    run(cargo().args(["check", "--package", "eyrie-quant", "--lib", "--locked"]))?;
     test()
 }
 

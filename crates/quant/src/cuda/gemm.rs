@@ -68,6 +68,7 @@ pub const K_CHUNK: usize = 2048;
 
 #[cfg(feature = "cuda")]
 pub(crate) use gpu::launch_split_bf16x3;
+#[cfg(feature = "cuda")]
 pub use gpu::{Blas, gemm_f32_bf16w, gemm_f32_bf16w_chunked, split_bf16x3_kernel, sum3_kernel};
 
 #[cfg(feature = "cuda")]
