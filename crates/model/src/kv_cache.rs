@@ -111,6 +111,11 @@ impl<B: Backend> PagedMlaCache<B> {
         crate::cuda_ops::warm_up_attention(self.pools.first()?, heads, r)
     }
 
+    /// Forgets every cached prefix ([`BlockPool::clear_prefix_cache`]): cached blocks become free.
+    pub fn clear_prefix_cache(&mut self) {
+        self.blocks.clear_prefix_cache();
+    }
+
     /// All blocks.
     pub fn num_blocks(&self) -> usize {
         self.blocks.num_blocks()

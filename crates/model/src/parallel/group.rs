@@ -100,10 +100,24 @@ impl ParallelBackend for burn::backend::Cuda {
     }
 }
 
-/// A step as the workers get it: rank 0's page tables after reservation, and the new tokens.
-struct Job {
-    entries: Vec<(SequenceCache, Vec<u32>)>,
-    rows: LogitRows,
+/// What a worker is asked to do.
+enum Job {
+    /// A step as the workers get it: rank 0's page tables after reservation, and the new tokens.
+    Step { entries: Vec<(SequenceCache, Vec<u32>)>, rows: LogitRows },
+    /// Every attention launch shape once over the rank's cache ([`ParallelGroup::warm_up_attention`]).
+    WarmUpAttention,
+}
+
+/// On CUDA, launches every attention shape of this rank's heads once over its cache (each device compiles its own
+/// kernels); the number of shapes, or `None` elsewhere.
+fn warm_up_rank<B: Backend>(cache: &PagedMlaCache<B>, config: &ModelConfig, spec: ShardSpec) -> Result<Option<usize>> {
+    #[cfg(feature = "cuda")]
+    if let Some(shapes) = cache.warm_up_attention(config.num_heads / spec.tp.max(1), config.kv_lora_rank) {
+        return shapes.map(Some).map_err(|message| ModelError::Collective { op: "warm-up", rank: spec.rank, message });
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (cache, config, spec);
+    Ok(None)
 }
 
 struct Worker {
@@ -281,7 +295,7 @@ impl<B: Backend> ParallelGroup<B> {
             batch.iter().map(|e| (e.seq.clone(), e.tokens.to_vec())).collect();
         let mut failure = None;
         for w in &self.workers {
-            let sent = w.jobs.as_ref().is_some_and(|j| j.send(Job { entries: entries.clone(), rows }).is_ok());
+            let sent = w.jobs.as_ref().is_some_and(|j| j.send(Job::Step { entries: entries.clone(), rows }).is_ok());
             if !sent {
                 failure.get_or_insert_with(|| worker_gone(w.rank).to_string());
             }
@@ -306,6 +320,43 @@ impl<B: Backend> ParallelGroup<B> {
             // Leave the group so that no worker waits for rank 0 in a collective.
             self.comm = None;
         }
+        self.join_workers("step", failure)?;
+        mine
+    }
+}
+
+impl<B: Backend> ParallelGroup<B> {
+    /// Launches every attention shape of each rank's heads once, on every rank over its own cache (`cache` is rank
+    /// 0's, as in [`Self::forward_batch`]): a server's warm-up on CUDA, where each device compiles its own kernels
+    /// at their first launch. Returns rank 0's number of shapes, `None` on backends that compile nothing.
+    ///
+    /// # Errors
+    /// A rank's launcher or device error; the group then refuses later steps, as after a failed step.
+    pub fn warm_up_attention(&mut self, cache: &PagedMlaCache<B>) -> Result<Option<usize>> {
+        if let Some(why) = &self.broken {
+            return Err(ModelError::Collective {
+                op: "warm-up",
+                rank: 0,
+                message: format!("the parallel group stopped after a failure: {why}"),
+            });
+        }
+        let mut failure = None;
+        for w in &self.workers {
+            if w.jobs.as_ref().is_none_or(|j| j.send(Job::WarmUpAttention).is_err()) {
+                failure.get_or_insert_with(|| worker_gone(w.rank).to_string());
+            }
+        }
+        let mine = warm_up_rank(cache, &self.shard.config, self.shard.spec);
+        if let Err(e) = &mine {
+            failure.get_or_insert_with(|| format!("rank 0: {e}"));
+        }
+        self.join_workers("warm-up", failure)?;
+        mine
+    }
+
+    /// Waits for every worker that was sent a job; on the first failure (`failure`, or a worker's) breaks the
+    /// group (rank 0 leaves, the job channels close) so that later calls are refused, and returns it as `op`'s.
+    fn join_workers(&mut self, op: &'static str, mut failure: Option<String>) -> Result<()> {
         for w in &self.workers {
             if w.jobs.is_none() {
                 continue;
@@ -326,9 +377,9 @@ impl<B: Backend> ParallelGroup<B> {
                 w.jobs = None;
             }
             self.broken = Some(why.clone());
-            return Err(ModelError::Collective { op: "step", rank: 0, message: why });
+            return Err(ModelError::Collective { op, rank: 0, message: why });
         }
-        mine
+        Ok(())
     }
 }
 
@@ -412,11 +463,13 @@ fn worker_steps<B: Backend>(setup: WorkerSetup<B>, jobs: Receiver<Job>, done: Se
         return;
     }
     while let Ok(job) = jobs.recv() {
-        let Job { mut entries, rows } = job;
-        let outcome = catch_unwind(AssertUnwindSafe(|| {
-            let mut batch: Vec<BatchEntry<'_>> =
-                entries.iter_mut().map(|(seq, tokens)| BatchEntry { seq, tokens }).collect();
-            shard.forward_batch(&mut batch, &mut cache, rows, &comm, &device).map(|_| ())
+        let outcome = catch_unwind(AssertUnwindSafe(|| match job {
+            Job::Step { mut entries, rows } => {
+                let mut batch: Vec<BatchEntry<'_>> =
+                    entries.iter_mut().map(|(seq, tokens)| BatchEntry { seq, tokens }).collect();
+                shard.forward_batch(&mut batch, &mut cache, rows, &comm, &device).map(|_| ())
+            }
+            Job::WarmUpAttention => warm_up_rank(&cache, &shard.config, spec).map(|_| ()),
         }))
         .unwrap_or_else(|_| {
             Err(ModelError::Collective { op: "step", rank: spec.rank, message: "panicked during a step".into() })

@@ -284,8 +284,9 @@ impl<B: Backend> Engine<B> {
     /// the verified drafts with speculative decoding, and the free KV blocks; tokens from [`warm_up_tokens`]), then one prompt of a prefill chunk's length (`--chunked-prefill-size`, within the context
     /// and the free blocks), then every attention launch shape over the cache (long contexts pick other shapes than
     /// these steps do). Elsewhere (nothing compiles at run time): widths 1 and the widest, which still grows the
-    /// allocator. Nothing stays cached; the EAGLE-3 drafter's own launches are not warmed up. Returns what it ran,
-    /// for the startup log.
+    /// allocator. With speculative decoding, whole requests through the engine's steps too
+    /// ([`Self::warm_up_speculative`]: the drafter's launches). Nothing stays cached. Returns what it ran, for the
+    /// startup log.
     pub fn warm_up(&mut self) -> anyhow::Result<String> {
         let started = Instant::now();
         let cuda = cfg!(feature = "cuda") && eyrie_model::device::is_cuda_backend::<B>();
@@ -326,15 +327,85 @@ impl<B: Backend> Engine<B> {
             to_host(logits?)?;
             done += &format!(", a {prompt}-token prompt");
         }
-        #[cfg(feature = "cuda")]
-        if cuda && let Target::Single(m) = &self.target {
-            let (heads, r) = (m.config.num_heads, m.config.kv_lora_rank);
-            if let Some(shapes) = self.cache.warm_up_attention(heads, r) {
-                let shapes = shapes.map_err(|e| anyhow::anyhow!("warm-up: {e}"))?;
-                done += &format!(", {shapes} attention launch shapes");
+        let shapes = match &mut self.target {
+            #[cfg(feature = "cuda")]
+            Target::Single(m) if cuda => {
+                let (heads, r) = (m.config.num_heads, m.config.kv_lora_rank);
+                self.cache.warm_up_attention(heads, r).transpose().map_err(|e| anyhow::anyhow!("warm-up: {e}"))?
             }
+            // Every rank over its own cache (each device compiles its own kernels).
+            Target::Parallel(g) if cuda => g.warm_up_attention(&self.cache)?,
+            _ => None,
+        };
+        if let Some(shapes) = shapes {
+            done += &format!(", {shapes} attention launch shapes");
+        }
+        if let Some(spec) = self.warm_up_speculative(cuda)? {
+            done += &format!(", {spec}");
         }
         Ok(format!("{done} in {:.1} s", started.elapsed().as_secs_f64()))
+    }
+
+    /// Speculative mode's part of [`Self::warm_up`]: whole requests (8-token prompts, 8 greedy tokens) through the
+    /// engine's own steps, so the drafter's launches (its widths up to 16 rows have kernels of their own) and the
+    /// speculative glue compile too: 1 to 16 concurrent requests and `--max-running-requests` on CUDA, one
+    /// elsewhere. Their metrics go to a scratch copy and their prefixes are forgotten after.
+    ///
+    /// # Errors
+    /// A warm-up request that failed, or requests that did not finish.
+    fn warm_up_speculative(&mut self, cuda: bool) -> anyhow::Result<Option<String>> {
+        if self.spec.is_none() {
+            return Ok(None);
+        }
+        let max = self.config.max_running.max(1);
+        let mut widths: Vec<usize> = if cuda { (1..=max.min(16)).collect() } else { vec![1] };
+        if cuda && max > 16 {
+            widths.push(max);
+        }
+        let vocab = self.target.config().vocab_size;
+        let real = std::mem::replace(&mut self.metrics, Arc::new(Metrics::default()));
+        let mut stuck = false;
+        for &n in &widths {
+            let tokens = warm_up_tokens(n + 8, vocab);
+            for i in 0..n {
+                // The receiver goes at once: the engine ignores failed sends.
+                let (events, _) = tokio::sync::mpsc::unbounded_channel();
+                let params = EngineParams {
+                    sampling: SamplingParams::default(),
+                    max_tokens: 8,
+                    stop_token_ids: Vec::new(),
+                    ignore_eos: true,
+                    logprobs: None,
+                };
+                let prompt = tokens[i..i + 8].to_vec();
+                self.enqueue(Submission { prompt, params, events, cancel: Arc::new(AtomicBool::new(false)) });
+            }
+            // Each request needs its prefill and at most 8 steps; far more means something is wrong.
+            for _ in 0..64 * (n + 8) {
+                if self.waiting.is_empty() && self.running.is_empty() {
+                    break;
+                }
+                self.admit();
+                if !self.running.is_empty() {
+                    self.step();
+                }
+            }
+            stuck |= !(self.waiting.is_empty() && self.running.is_empty());
+            if stuck {
+                break;
+            }
+        }
+        for seq in self.waiting.drain(..).chain(self.running.drain(..)).collect::<Vec<_>>() {
+            finish(&mut self.cache, &mut self.spec, &self.metrics, seq, FinishReason::Cancelled);
+        }
+        let failed = self.metrics.requests_server_error.load(Ordering::Relaxed);
+        let ok = self.metrics.requests_ok.load(Ordering::Relaxed);
+        self.metrics = real;
+        self.cache.clear_prefix_cache();
+        if stuck || failed > 0 {
+            anyhow::bail!("speculative warm-up: {failed} requests failed, {ok} finished, stuck: {stuck}");
+        }
+        Ok(Some(format!("{ok} speculative requests at 1..={} concurrent", widths.last().copied().unwrap_or(1))))
     }
 
     /// Runs until a shutdown's deadline passes with everything finished, or every sender is gone.
@@ -884,6 +955,9 @@ where
     std::thread::Builder::new().name("eyrie-engine".into()).spawn(move || {
         let engine = catch_unwind(AssertUnwindSafe(|| {
             let mut engine = load()?;
+            eprintln!(
+                "eyrie: warming up (every step shape serving will launch, so no kernel compiles mid-request) ..."
+            );
             let warmed = engine.warm_up()?;
             eprintln!("eyrie: warm-up: {warmed}");
             anyhow::Ok(engine)

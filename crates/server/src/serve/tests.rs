@@ -489,6 +489,14 @@ async fn speculative_serving_is_token_identical_to_plain_serving() {
         "--speculative-num-draft-tokens",
         "5",
     ]);
+    // Each engine's warm-up ran a speculative request through its steps (the server would not have started had it
+    // failed) and left nothing behind: no request counted, no block held or cached.
+    for server in [&chain, &tree] {
+        let g = server.state.metrics.gauges();
+        assert_eq!((g.kv_blocks_used, g.kv_blocks_cached, g.running, g.waiting), (0, 0, 0, 0), "{g:?}");
+        assert_eq!(server.state.metrics.requests_ok.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert!(g.kv_blocks_total > 0, "{g:?}");
+    }
     let prompts: Vec<Vec<u32>> =
         (0..6u32).map(|i| (0..(2 + i * 5)).map(|j| (i * 31 + j * 7) % 1000).collect()).collect();
     for server in [&chain, &tree] {
