@@ -5,9 +5,10 @@
 //! - `cargo xtask gpu-test`: builds `.device-kern/{gpu_kernels, gpu_gemv, gpu_ops, gpu_attention, gpu_gemm}`
 //!   (stripped) and runs the five GPU checks when this machine has a GPU; otherwise compresses them and prints the command to run on the device
 //!   machine (carrying `.device-kern`).
-//! - `cargo xtask bench kernels`: same build, then the MoE and MLA-attention benchmarks and their torch peers and the
-//!   prefill GEMM against cuBLAS and burn in one run, writing `bench/kernels.json`, `bench/kernels_peer.json`,
-//!   `bench/attention.json`, `bench/attention_peer.json` and `bench/gemm.json` and printing the tables.
+//! - `cargo xtask bench kernels`: same build, then the MoE (decode and prefill widths) and MLA-attention benchmarks
+//!   and their torch peers and the prefill GEMM against cuBLAS and burn in one run, writing `bench/kernels.json`,
+//!   `bench/kernels_prefill.json`, `bench/kernels_peer.json`, `bench/attention.json`, `bench/attention_peer.json`
+//!   and `bench/gemm.json` and printing the tables.
 
 use std::path::Path;
 use std::process::Command;
@@ -107,6 +108,7 @@ pub fn gpu_test(root: &Path) -> Result<()> {
 pub fn bench_command(out: &str) -> String {
     format!(
         "./{DIR}/gpu_kernels bench --json {out}/kernels.json && \
+         ./{DIR}/gpu_kernels prefill --json {out}/kernels_prefill.json && \
          python3 scripts/bench_kernels_peer.py --out {out}/kernels_peer.json && \
          python3 scripts/bench_kernels_peer.py --merge {out}/kernels.json {out}/kernels_peer.json && \
          ./{DIR}/gpu_attention --json {out}/attention.json && \
@@ -123,7 +125,8 @@ pub fn bench_kernels(root: &Path) -> Result<()> {
     }
     eprintln!(
         "no GPU here: carry {DIR} to the GPU machine and run there, from the repository root:\n  {}\n\
-         then copy kernels.json, kernels_peer.json, attention.json, attention_peer.json and gemm.json into bench/",
+         then copy kernels.json, kernels_prefill.json, kernels_peer.json, attention.json, attention_peer.json and \
+         gemm.json into bench/",
         bench_command("$OUT")
     );
     Ok(())
