@@ -343,7 +343,18 @@ impl<B: Backend> Engine<B> {
         if let Some(spec) = self.warm_up_speculative(cuda)? {
             done += &format!(", {spec}");
         }
-        Ok(format!("{done} in {:.1} s", started.elapsed().as_secs_f64()))
+        done += &format!(" in {:.1} s", started.elapsed().as_secs_f64());
+        // What the weights, the KV cache and the warm-up's widest steps hold on the device (this thread's stream,
+        // which runs every step; with tp/ep, rank 0's device).
+        #[cfg(feature = "cuda")]
+        if let Some((used, reserved)) = eyrie_model::cuda_ops::memory_usage::<B>(&self.device) {
+            done += &format!(
+                "; device memory {:.2} GB in use, {:.2} GB reserved",
+                used as f64 / 1e9,
+                reserved as f64 / 1e9
+            );
+        }
+        Ok(done)
     }
 
     /// Speculative mode's part of [`Self::warm_up`]: whole requests (8-token prompts, 8 greedy tokens) through the
