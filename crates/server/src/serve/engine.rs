@@ -376,11 +376,13 @@ impl<B: Backend> Engine<B> {
         let vocab = self.target.config().vocab_size;
         let real = std::mem::replace(&mut self.metrics, Arc::new(Metrics::default()));
         let mut stuck = false;
+        // Kept to the end: a failed request's message is the warm-up's error.
+        let mut receivers = Vec::new();
         for &n in &widths {
             let tokens = warm_up_tokens(n + 8, vocab);
             for i in 0..n {
-                // The receiver goes at once: the engine ignores failed sends.
-                let (events, _) = tokio::sync::mpsc::unbounded_channel();
+                let (events, rx) = tokio::sync::mpsc::unbounded_channel();
+                receivers.push(rx);
                 let params = EngineParams {
                     sampling: SamplingParams::default(),
                     max_tokens: 8,
@@ -413,8 +415,19 @@ impl<B: Backend> Engine<B> {
         let ok = self.metrics.requests_ok.load(Ordering::Relaxed);
         self.metrics = real;
         self.cache.clear_prefix_cache();
+        let first_error = receivers.iter_mut().find_map(|rx| {
+            std::iter::from_fn(|| rx.try_recv().ok()).find_map(|e| match e {
+                Event::Failed(message) => Some(message),
+                _ => None,
+            })
+        });
         if stuck || failed > 0 {
-            anyhow::bail!("speculative warm-up: {failed} requests failed, {ok} finished, stuck: {stuck}");
+            anyhow::bail!(
+                "speculative warm-up: {failed} of {} requests failed{}{}",
+                failed + ok,
+                first_error.map(|m| format!(" (first: {m})")).unwrap_or_default(),
+                if stuck { "; requests still running after their step budget" } else { "" }
+            );
         }
         Ok(Some(format!("{ok} speculative requests at 1..={} concurrent", widths.last().copied().unwrap_or(1))))
     }
