@@ -2,13 +2,15 @@
 //! with the `cuda` feature (CubeCL loads the CUDA driver and NVRTC at run time, so no CUDA is needed to build) and
 //! run on a machine with an NVIDIA GPU.
 //!
-//! - `cargo xtask gpu-test`: builds `.device-kern/{gpu_kernels, gpu_gemv, gpu_ops, gpu_attention, gpu_gemm}`
-//!   (stripped) and runs the five GPU checks when this machine has a GPU; otherwise compresses them and prints the command to run on the device
+//! - `cargo xtask gpu-test`: builds `.device-kern/{gpu_kernels, gpu_gemv, gpu_ops, gpu_attention, gpu_gemm,
+//!   gpu_prefill_attention}` (stripped) and runs the six GPU checks when this machine has a GPU; otherwise compresses them and prints the command to run on the device
 //!   machine (carrying `.device-kern`).
 //! - `cargo xtask bench kernels`: same build, then the MoE (decode and prefill widths) and MLA-attention benchmarks
-//!   and their torch peers and the prefill GEMM against cuBLAS and burn in one run, writing `bench/kernels.json`,
-//!   `bench/kernels_prefill.json`, `bench/kernels_peer.json`, `bench/attention.json`, `bench/attention_peer.json`
-//!   and `bench/gemm.json` and printing the tables.
+//!   and their torch peers, the prefill GEMM against cuBLAS and burn, and the prefill chunks' MHA-form attention
+//!   against the absorbed kernel and its torch peer in one run, writing `bench/kernels.json`,
+//!   `bench/kernels_prefill.json`, `bench/kernels_peer.json`, `bench/attention.json`, `bench/attention_peer.json`,
+//!   `bench/gemm.json`, `bench/prefill_attention.json` and `bench/prefill_attention_peer.json` and printing the
+//!   tables.
 
 use std::path::Path;
 use std::process::Command;
@@ -34,12 +36,12 @@ fn carry_dir(root: &Path, name: &str) -> Result<std::path::PathBuf> {
     Ok(dir)
 }
 
-/// Builds the stripped release `gpu_kernels`, `gpu_attention` and `gpu_gemm` (eyrie-quant's kernel programs) into
-/// `.device-kern/`.
+/// Builds the stripped release `gpu_kernels`, `gpu_attention`, `gpu_gemm` and `gpu_prefill_attention`
+/// (eyrie-quant's kernel programs) into `.device-kern/`.
 pub fn bundle(root: &Path) -> Result<()> {
     let dir = carry_dir(root, DIR)?;
     let target = std::env::var("CARGO_TARGET_DIR").map_or_else(|_| root.join("target"), Into::into);
-    for example in ["gpu_kernels", "gpu_attention", "gpu_gemm"] {
+    for example in ["gpu_kernels", "gpu_attention", "gpu_gemm", "gpu_prefill_attention"] {
         run(cargo()
             .args(["build", "--release", "--locked", "--package", "eyrie-quant", "--features", "cuda", "--example"])
             .arg(example))?;
@@ -57,18 +59,19 @@ fn has_gpu() -> bool {
 }
 
 /// The GPU checks of `cargo xtask gpu-test`: program and arguments, each exiting 1 on a mismatch.
-const CHECKS: [(&str, &str); 5] = [
+const CHECKS: [(&str, &str); 6] = [
     ("gpu_kernels", "check"),
     ("gpu_gemv", ""),
     ("gpu_ops", ""),
     ("gpu_attention", "--quick"),
     ("gpu_gemm", "--quick"),
+    ("gpu_prefill_attention", "--quick"),
 ];
 
 /// `cargo xtask gpu-test`: the fused INT4 MoE (`gpu_kernels check`), the BF16-weight GEMV (`gpu_gemv`), the
 /// model's CUDA paths (`gpu_ops`: RMSNorm, BF16 Linear) and MLA attention over the paged cache with the cache write
-/// (`gpu_attention --quick`: every check, a short benchmark) and the f32-exact cuBLAS GEMM (`gpu_gemm --quick`),
-/// each against its CPU reference. cuBLAS must be on the library path (e.g. `LD_LIBRARY_PATH=/usr/local/cuda/lib64`).
+/// (`gpu_attention --quick`: every check, a short benchmark), the f32-exact cuBLAS GEMM (`gpu_gemm --quick`) and
+/// the prefill chunks' MHA-form attention (`gpu_prefill_attention --quick`), each against its CPU reference. cuBLAS must be on the library path (e.g. `LD_LIBRARY_PATH=/usr/local/cuda/lib64`).
 pub fn gpu_test(root: &Path) -> Result<()> {
     bundle(root)?;
     let dir = root.join(DIR);
@@ -92,7 +95,7 @@ pub fn gpu_test(root: &Path) -> Result<()> {
         }
         return Ok(());
     }
-    // Five stripped CUDA binaries exceed the 64 MiB a device call carries: compress them.
+    // Six stripped CUDA binaries exceed the 64 MiB a device call carries: compress them.
     for (program, _) in CHECKS {
         run(Command::new("gzip").args(["-1", "-f"]).arg(dir.join(program)))?;
     }
@@ -113,7 +116,9 @@ pub fn bench_command(out: &str) -> String {
          python3 scripts/bench_kernels_peer.py --merge {out}/kernels.json {out}/kernels_peer.json && \
          ./{DIR}/gpu_attention --json {out}/attention.json && \
          python3 scripts/bench_attention_peer.py --json {out}/attention_peer.json && \
-         ./{DIR}/gpu_gemm --json {out}/gemm.json"
+         ./{DIR}/gpu_gemm --json {out}/gemm.json && \
+         ./{DIR}/gpu_prefill_attention --json {out}/prefill_attention.json && \
+         python3 scripts/prefill_attention_peer.py --json {out}/prefill_attention_peer.json"
     )
 }
 
@@ -125,8 +130,8 @@ pub fn bench_kernels(root: &Path) -> Result<()> {
     }
     eprintln!(
         "no GPU here: carry {DIR} to the GPU machine and run there, from the repository root:\n  {}\n\
-         then copy kernels.json, kernels_prefill.json, kernels_peer.json, attention.json, attention_peer.json and \
-         gemm.json into bench/",
+         then copy kernels.json, kernels_prefill.json, kernels_peer.json, attention.json, attention_peer.json, \
+         gemm.json, prefill_attention.json and prefill_attention_peer.json into bench/",
         bench_command("$OUT")
     );
     Ok(())

@@ -4,7 +4,8 @@
 //! against the same Linear's generic f32 matmul, and RoPE on row groups in
 //! one launch (`RotaryEmbedding::apply_rows`, `cuda_ops::rope_rows`) against its generic ops, and the absorbed MLA
 //! (`cuda_ops::mla_absorbed`: query absorption + RoPE, attention over the paged cache, value absorption) against an
-//! f64 host reference (1e-5), and the MoE router on the device (`eyrie_quant::cuda::router`) against the host
+//! f64 host reference (1e-5), the MHA form of prefill chunks (`cuda_ops::mla_mha_prefill`) against the absorbed form
+//! (1e-5), and the MoE router on the device (`eyrie_quant::cuda::router`) against the host
 //! routing (ids and grouping exact, weights 1e-6) and a whole MoE block routed on the device vs on the host (1e-6).
 //!
 //! Tolerance, norm-wise `max|gpu - ref| / max|ref|`: 1e-6 for RMSNorm (f32, sums in another order) and RoPE against the
@@ -426,6 +427,76 @@ fn main() -> Result<(), Error> {
                 if interleave { "interleaved" } else { "rotate-half" }
             );
             rows.push(serde_json::json!({"op": "mla_absorbed", "n": n, "error": e, "kernel_us": us, "ok": ok}));
+        }
+    }
+    // The MHA form of a prefill chunk (`cuda_ops::mla_mha_prefill`: keys and values expanded through kv_b_proj by
+    // the Linear, RoPE, the MHA kernel, segments merged) against the absorbed form (`cuda_ops::mla_absorbed`, checked
+    // against the f64 reference above) on the same queries and latents: the two forms are the same sums in another
+    // order, so they agree to f32 rounding (1e-5 norm-wise). With and without a cached prefix, in one segment and in
+    // segments of 128 keys.
+    {
+        use eyrie_model::cuda_ops::{MlaDims, mla_absorbed, mla_mha_prefill};
+        use eyrie_quant::cuda::attention::PagedRows;
+        let dims = MlaDims { heads: 64, nope: 128, rot: 64, vd: 128, r: 512 };
+        let MlaDims { heads, nope, rot, vd, r } = dims;
+        let (half, width) = (rot / 2, r + rot);
+        for (n, start, segment, interleave) in
+            [(150usize, 250usize, 0usize, true), (150, 250, 128, false), (300, 0, 0, false), (129, 1000, 256, true)]
+        {
+            let keys = start + n;
+            let rand = |rng: &mut SplitMix64, len: usize, s: f32| -> Vec<f32> {
+                (0..len).map(|_| (rng.next_f32() - 0.5) * s).collect()
+            };
+            let q = rand(&mut rng, n * heads * (nope + rot), 2.0);
+            let lat = rand(&mut rng, keys * width, 2.0);
+            let cos = rand(&mut rng, n * half, 2.0);
+            let sin = rand(&mut rng, n * half, 2.0);
+            let w: Vec<f32> = (0..heads * (nope + vd) * r)
+                .map(|_| half::bf16::from_f32((rng.next_f32() - 0.5) / 8.0).to_f32())
+                .collect();
+            let t2 =
+                |v: &Vec<f32>, shape: [usize; 2]| Tensor::<B, 2>::from_data(TensorData::new(v.clone(), shape), &device);
+            let kv_b = Linear::from_weight(t2(&w, [heads * (nope + vd), r]).cast(FloatDType::BF16));
+            let scale = 1.0 / ((nope + rot) as f64).sqrt();
+            let paged = PagedRows {
+                row_seq: vec![0; n],
+                row_len: (0..n).map(|i| (start + i + 1) as u32).collect(),
+                tables: vec![0],
+                max_blocks: 1,
+                block_size: keys,
+            };
+            let (q_t, cos_t, sin_t, lat_t) =
+                (t2(&q, [n, heads * (nope + rot)]), t2(&cos, [n, half]), t2(&sin, [n, half]), t2(&lat, [keys, width]));
+            let want = host(
+                mla_absorbed(&q_t, &kv_b.weight, &cos_t, &sin_t, interleave, &lat_t, &paged, None, scale, dims)
+                    .ok_or("mla_absorbed refused Kimi-K2's shapes")?,
+            );
+            let run = || {
+                mla_mha_prefill(
+                    &q_t,
+                    &cos_t,
+                    &sin_t,
+                    interleave,
+                    &lat_t,
+                    |c| kv_b.forward(c),
+                    start,
+                    scale,
+                    dims,
+                    segment,
+                )
+            };
+            let got = host(run().ok_or("mla_mha_prefill refused Kimi-K2's shapes")?);
+            let want64: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
+            let e = err(&got, &want64);
+            let ok = e <= 1e-5;
+            failed |= !ok;
+            let us = time(&device, || drop(run()));
+            let segs = if segment == 0 { 1 } else { keys.div_ceil(segment) };
+            println!(
+                "| mla_mha_prefill vs mla_absorbed ({segs} segments) | {n} rows after {start}, 64 heads | {e:.1e} | - | {us:.1} | - | {ok} |"
+            );
+            rows.push(serde_json::json!({"op": "mla_mha_prefill", "n": n, "start": start, "segments": segs,
+                "error": e, "kernel_us": us, "ok": ok}));
         }
     }
     // The MoE router on the device (`eyrie_quant::cuda::router`: top-k and grouping kernels) against the host

@@ -361,6 +361,31 @@ pub struct SeqSpan<'a> {
     pub len: usize,
 }
 
+/// The spans of fewer than `min` new rows, renumbered from row 0 in their order, and the step rows they hold
+/// (the first entries of the order in which `Mla::attend_prefill_mha` computes the rows: the short spans' rows
+/// together, then each long span's).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn short_spans<'a>(spans: &[SeqSpan<'a>], min: usize) -> (Vec<SeqSpan<'a>>, Vec<usize>) {
+    let mut order = Vec::new();
+    let mut short = Vec::new();
+    for span in spans.iter().filter(|span| span.len < min) {
+        short.push(SeqSpan { row: order.len(), ..*span });
+        order.extend(span.row..span.row + span.len);
+    }
+    (short, order)
+}
+
+/// `back[row]` = the index at which `order` holds `row` (`order` a permutation of `0..order.len()`): the gather
+/// that puts rows computed in `order` back in step order.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn inverse(order: &[usize]) -> Vec<usize> {
+    let mut back = vec![0usize; order.len()];
+    for (i, &row) in order.iter().enumerate() {
+        back[row] = i;
+    }
+    back
+}
+
 impl<B: Backend> Mla<B> {
     /// Absorbed MLA for `x` `[N, d]`, the new tokens of several sequences flattened (see [`SeqSpan`]); `tables`
     /// holds each row's own position (`N` rows). Every new token attends causally to its own sequence only: all
@@ -392,6 +417,13 @@ impl<B: Backend> Mla<B> {
         #[cfg(not(feature = "cuda"))]
         let step: Option<StepMeta<B>> = None;
         cache.write_new_latents(layer, spans, kv_a, &self.kv_a_layernorm, rope, tables, step.as_ref());
+
+        // On CUDA with the MHA form on (`cuda_ops::mha_prefill_min_rows`), prefill chunks that long attend in the
+        // MHA form (the other rows of the step in the absorbed form).
+        #[cfg(feature = "cuda")]
+        if let Some(o) = self.attend_prefill_mha(&q_rows, rope, tables, cache, layer, spans) {
+            return self.o_proj.forward(o).reshape([n, d]);
+        }
 
         // On CUDA: absorption, RoPE, attention and the value absorption in three launches, f32-exact with the BF16
         // kv_b_proj (no cast of it, no TF32 matmul).
@@ -484,6 +516,79 @@ impl<B: Backend> Mla<B> {
         // [H, N, r] -> [H, N, vd] -> [N, H*vd]
         let o = o_lat.matmul(w_uv.swap_dims(1, 2)).swap_dims(0, 1).reshape([n, h * vd]);
         self.o_proj.forward(o).reshape([n, d])
+    }
+
+    /// On CUDA, when the MHA form is on and a span of the step has [`crate::cuda_ops::mha_prefill_min_rows`] new
+    /// rows or more: each such
+    /// span's attention in the MHA form (`cuda_ops::mla_mha_prefill`: its latents expanded through `kv_b_proj`,
+    /// 3.4x fewer multiply-adds a row and key than the absorbed form), the other rows of the step together in the
+    /// absorbed form, put back in row order -> `[N, H vd]` (the input of `o_proj`). `None` when no span is that
+    /// long or a kernel refused its inputs (the caller runs the absorbed form for every row).
+    #[cfg(feature = "cuda")]
+    fn attend_prefill_mha(
+        &self,
+        q_rows: &Tensor<B, 2>,
+        rope: &RotaryEmbedding,
+        tables: &RopeTables<B>,
+        cache: &PagedMlaCache<B>,
+        layer: usize,
+        spans: &[SeqSpan<'_>],
+    ) -> Option<Tensor<B, 2>> {
+        let min = crate::cuda_ops::mha_prefill_min_rows()?;
+        if !crate::cuda_ops::is_cuda::<B>() || !spans.iter().any(|span| span.len >= min) {
+            return None;
+        }
+        let (h, nope, rot, vd, r) =
+            (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank);
+        let dims = crate::cuda_ops::MlaDims { heads: h, nope, rot, vd, r };
+        let n = q_rows.dims()[0];
+        let device = q_rows.device();
+        let index = |rows: &[usize]| {
+            let v: Vec<i64> = rows.iter().map(|&r| r as i64).collect();
+            Tensor::<B, 1, Int>::from_data(TensorData::new(v, [rows.len()]), &device)
+        };
+        let (short, mut order) = short_spans(spans, min);
+        let mut parts: Vec<Tensor<B, 2>> = Vec::with_capacity(spans.len());
+        if !short.is_empty() {
+            let idx = index(&order);
+            let o = crate::cuda_ops::mla_absorbed(
+                &q_rows.clone().select(0, idx.clone()),
+                &self.kv_b_proj.weight,
+                &tables.cos.clone().select(0, idx.clone()),
+                &tables.sin.clone().select(0, idx),
+                rope.interleave,
+                &cache.pools[layer],
+                &cache.paged_rows(&short),
+                None,
+                self.softmax_scale,
+                dims,
+            )?;
+            parts.push(o);
+        }
+        for span in spans.iter().filter(|span| span.len >= min) {
+            let o = crate::cuda_ops::mla_mha_prefill(
+                &q_rows.clone().narrow(0, span.row, span.len),
+                &tables.cos.clone().narrow(0, span.row, span.len),
+                &tables.sin.clone().narrow(0, span.row, span.len),
+                rope.interleave,
+                &cache.read(layer, span.seq, span.start + span.len),
+                |c| self.kv_b_proj.forward(c),
+                span.start,
+                self.softmax_scale,
+                dims,
+                0,
+            )?;
+            parts.push(o);
+            order.extend(span.row..span.row + span.len);
+        }
+        if order.len() != n {
+            return None;
+        }
+        let o = Tensor::cat(parts, 0);
+        if order.iter().enumerate().all(|(i, &row)| i == row) {
+            return Some(o);
+        }
+        Some(o.select(0, index(&inverse(&order))))
     }
 
     /// Decode steps of several sequences (one new token each) as one key-padded batched attention: `q_lat`
@@ -655,6 +760,32 @@ mod tests {
     /// A step's uploaded rows and slots (`step_meta`) hold exactly `paged_rows` / `span_slots` of the spans asked
     /// for: every layer of a step gets the same upload, and the next step (positions moved on, or other sequences)
     /// never gets the previous one's.
+    /// A step of a decode row, a long prefill chunk, another decode row and a short chunk: the short spans are
+    /// renumbered from 0 in order, the order lists their rows and then the long span's, and the inverse gather
+    /// puts every row back in place.
+    #[test]
+    fn short_spans_and_their_order_put_rows_back() {
+        let seq = SequenceCache { blocks: vec![0, 1, 2], len: 0 };
+        let spans = [
+            SeqSpan { seq: &seq, row: 0, start: 10, len: 1 },
+            SeqSpan { seq: &seq, row: 1, start: 0, len: 200 },
+            SeqSpan { seq: &seq, row: 201, start: 5, len: 1 },
+            SeqSpan { seq: &seq, row: 202, start: 3, len: 7 },
+        ];
+        let (short, mut order) = short_spans(&spans, 64);
+        assert_eq!(
+            short.iter().map(|s| (s.row, s.start, s.len)).collect::<Vec<_>>(),
+            [(0, 10, 1), (1, 5, 1), (2, 3, 7)]
+        );
+        assert_eq!(order[..9], [0, 201, 202, 203, 204, 205, 206, 207, 208]);
+        order.extend(1..201);
+        let back = inverse(&order);
+        for (row, &at) in back.iter().enumerate() {
+            assert_eq!(order[at], row);
+        }
+        assert_eq!(short_spans(&spans, 1).0.len(), 0);
+    }
+
     #[test]
     fn step_meta_is_the_spans_own_and_never_stale() {
         let dev = Default::default();

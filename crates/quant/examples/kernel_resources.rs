@@ -299,6 +299,7 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     json!({"r": r, "rot": rot, "warps": warps, "heads_per_warp": hpw})
                 }
                 KernelSpec::MlaCombine { r } => json!({"r": r}),
+                KernelSpec::MhaPrefill { dims } => json!({"nope": dims.nope, "rot": dims.rot, "vd": dims.vd}),
                 KernelSpec::Gemv { k, cfg } | KernelSpec::GemvSwiglu { k, cfg } => {
                     json!({"k": k, "warps": cfg.warps, "rows_at_once": cfg.rows_at_once, "tb": cfg.tb})
                 }

@@ -357,3 +357,129 @@ pub fn mla_latent_write<B: Backend>(
     }
     Ok(())
 }
+
+/// Rows a span (one sequence's new tokens in a step) needs for its attention to run in the MHA form
+/// ([`mla_mha_prefill`]) instead of the absorbed one, by default: `None`, off. The MHA kernel was written in session
+/// 14, which had no GPU time left: its algorithm is checked on the CPU (eyrie-quant's simulation test), its CubeCL
+/// build through NVRTC, but not yet its output on a GPU (`gpu_prefill_attention`, `gpu_ops`) nor where it starts
+/// to pay (docs/DEVELOPING.md). Turn it on with `EYRIE_MHA_PREFILL_MIN_ROWS`.
+pub const MHA_PREFILL_MIN_ROWS: Option<usize> = None;
+
+/// Rows a span needs for the MHA form: [`MHA_PREFILL_MIN_ROWS`], or `EYRIE_MHA_PREFILL_MIN_ROWS` (read once; a
+/// positive number of rows turns the MHA form on for spans that long, 0 turns it off).
+pub fn mha_prefill_min_rows() -> Option<usize> {
+    static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *MIN.get_or_init(|| match std::env::var("EYRIE_MHA_PREFILL_MIN_ROWS") {
+        Err(std::env::VarError::NotPresent) => MHA_PREFILL_MIN_ROWS,
+        Ok(v) => match v.parse::<usize>() {
+            Ok(0) => None,
+            Ok(n) => Some(n),
+            Err(_) => {
+                eprintln!(
+                    "eyrie: warning: EYRIE_MHA_PREFILL_MIN_ROWS={v:?} is not a non-negative integer; using the \
+                     default ({MHA_PREFILL_MIN_ROWS:?})"
+                );
+                MHA_PREFILL_MIN_ROWS
+            }
+        },
+        Err(e) => {
+            eprintln!("eyrie: warning: EYRIE_MHA_PREFILL_MIN_ROWS: {e}; using the default ({MHA_PREFILL_MIN_ROWS:?})");
+            MHA_PREFILL_MIN_ROWS
+        }
+    })
+}
+
+/// Most bytes of expanded keys and values one segment of [`mla_mha_prefill`] holds at once (longer contexts are
+/// expanded and attended segment by segment, merged by their softmax mass).
+pub const MHA_SEGMENT_BYTES: usize = 1 << 30;
+
+/// MLA of one sequence's prefill chunk in the MHA form on CUDA (`eyrie_quant::cuda::prefill_attention`): `q`
+/// `[n, H (nope + rot)]` the chunk's query rows (before RoPE; row `i` at position `start + i`), `cos`/`sin`
+/// `[n, rot / 2]` their RoPE tables, `latents` `[start + n, r + rot]` the sequence's cached latents (the chunk's
+/// included), `expand` the `kv_b_proj` Linear (`[k, r] -> [k, H (nope + vd)]`) -> `[n, H vd]`, the input of
+/// `o_proj`. The keys are expanded and attended in segments of `segment_keys` keys (rounded down to a multiple of
+/// 64), or with 0 of at most [`MHA_SEGMENT_BYTES`]. `None` (the caller
+/// runs the absorbed form) when not CUDA, other dtypes, or dimensions the kernel does not take.
+#[allow(clippy::too_many_arguments)]
+pub fn mla_mha_prefill<B: Backend>(
+    q: &Tensor<B, 2>,
+    cos: &Tensor<B, 2>,
+    sin: &Tensor<B, 2>,
+    interleave: bool,
+    latents: &Tensor<B, 2>,
+    expand: impl Fn(Tensor<B, 2>) -> Tensor<B, 2>,
+    start: usize,
+    scale: f64,
+    dims: MlaDims,
+    segment_keys: usize,
+) -> Option<Tensor<B, 2>> {
+    use eyrie_quant::cuda::prefill_attention::{MhaDims, combine_segments, mha_prefill_attention};
+    let MlaDims { heads, nope, rot, vd, r } = dims;
+    let [n, qw] = q.dims();
+    let [keys, width] = latents.dims();
+    let mha = MhaDims { nope, rot, vd };
+    if !is_cuda::<B>() || n == 0 || qw != heads * (nope + rot) || width != r + rot || keys != start + n {
+        return None;
+    }
+    if [q.dtype(), cos.dtype(), sin.dtype(), latents.dtype()].iter().any(|d| *d != DType::F32) {
+        return None;
+    }
+    let lc = float(latents.clone())?;
+    let client = lc.client.clone();
+    mha.check(client.properties().hardware.max_shared_memory_size).ok()?;
+    // Queries with RoPE on their rotary part, [n H, nope + rot].
+    let rows = q.clone().reshape([n * heads, nope + rot]);
+    let q_pe = super::rope_rows(&rows, nope, rot, heads, cos, sin, interleave)?;
+    let qc = float(Tensor::cat(vec![rows.narrow(1, 0, nope), q_pe], 1))?;
+
+    let key_bytes = heads * (nope + vd) * 4;
+    let per_segment = match segment_keys {
+        0 => MHA_SEGMENT_BYTES / key_bytes,
+        k => k,
+    } / 64
+        * 64;
+    let per_segment = per_segment.max(64);
+    let segments = keys.div_ceil(per_segment);
+    let pairs = n * heads;
+    let out = client.empty(pairs * vd * 4);
+    let (o_part, ml_part) = if segments == 1 {
+        (out.clone(), client.empty(pairs * 2 * 4))
+    } else {
+        (client.empty(segments * pairs * vd * 4), client.empty(segments * pairs * 2 * 4))
+    };
+    for seg in 0..segments {
+        let key0 = seg * per_segment;
+        let len = per_segment.min(keys - key0);
+        let kv = expand(latents.clone().narrow(0, key0, len).narrow(1, 0, r));
+        if kv.dims() != [len, heads * (nope + vd)] || kv.dtype() != DType::F32 {
+            return None;
+        }
+        let kc = float(kv)?;
+        let launched = mha_prefill_attention(
+            &client,
+            &qc.handle,
+            &kc.handle,
+            &lc.handle,
+            (keys, width, r, key0),
+            &o_part,
+            &ml_part,
+            (segments, seg),
+            n,
+            heads,
+            mha,
+            (start, key0, len),
+            scale as f32,
+        );
+        if let Err(e) = launched {
+            eprintln!("eyrie: MHA prefill attention refused its inputs ({e}); using the absorbed form");
+            return None;
+        }
+    }
+    if segments > 1
+        && let Err(e) = combine_segments(&client, &o_part, &ml_part, &out, pairs, segments, vd)
+    {
+        eprintln!("eyrie: MHA prefill combine refused its inputs ({e}); using the absorbed form");
+        return None;
+    }
+    back::<B, 2>(Cube::new_contiguous(client, qc.device.clone(), Shape::new([n, heads * vd]), out, DType::F32))
+}

@@ -1,6 +1,7 @@
 //! The engine's CUDA hot-path kernels (issue 4): fused INT4 W4A16 mixture-of-experts for decode and verification
 //! widths (1..256 tokens), BF16-weight GEMV ([`dense`]), f32-exact tensor-core GEMM through cuBLAS for prefill
-//! widths ([`gemm`]) and MLA attention over the paged latent cache ([`attention`]).
+//! widths ([`gemm`]), MLA attention over the paged latent cache ([`attention`]) and, for prefill chunks, in its MHA form
+//! ([`prefill_attention`]).
 //!
 //! - [`experts`]: the experts of one layer, their kernel layout (built once at load time) and the grouping of
 //!   token-expert pairs by expert. Always built.
@@ -16,6 +17,7 @@ pub mod dense;
 pub mod dense_mma;
 pub mod experts;
 pub mod gemm;
+pub mod prefill_attention;
 pub mod reference;
 pub mod resources;
 pub mod router;

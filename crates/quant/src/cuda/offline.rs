@@ -24,6 +24,7 @@ use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::mla::{mla_latent_kernel, mla_output_kernel, mla_query_kernel};
 use super::moe_mma::{expert_mma_kernel, split_x3_kernel};
 use super::norm::rms_norm_kernel;
+use super::prefill_attention::{MhaDims, mha_prefill_kernel};
 use super::resources::Arch;
 use super::rope::rope_rows_kernel;
 use super::router::{group_kernel, route_kernel};
@@ -295,6 +296,48 @@ fn define_mla_combine(r: usize, props: &DeviceProperties) -> KernelDefinition {
     mla_combine_kernel::expand::<N>(&mut b.scope, VEC, o_part, ml_part, out, pairs, splits, r);
     let name = format!("mla_combine_kernel_n_{VEC}");
     b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(128)).address_type(address).kernel_name(name))
+}
+
+fn define_mha_prefill(dims: MhaDims, props: &DeviceProperties) -> KernelDefinition {
+    use mha_prefill_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let kv = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let kpe = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
+    let (n_rows, heads, start, key0, keys, seg, kpe_stride, kpe_off) =
+        (scalar(), scalar(), scalar(), scalar(), scalar(), scalar(), scalar(), scalar());
+    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    mha_prefill_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        q,
+        kv,
+        kpe,
+        o_part,
+        ml_part,
+        n_rows,
+        heads,
+        start,
+        key0,
+        keys,
+        seg,
+        kpe_stride,
+        kpe_off,
+        scale,
+        dims.nope,
+        dims.rot,
+        dims.vd,
+    );
+    let name = format!("mha_prefill_kernel_n_{VEC}");
+    let dim = CubeDim::new_1d(super::prefill_attention::THREADS as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
 }
 
 fn define_gemv(k: usize, cfg: &super::dense::GemvConfig, props: &DeviceProperties) -> KernelDefinition {
@@ -642,6 +685,7 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
             (define_mla_attention(*r, *rot, *warps, *hpw, &props), AddressType::U32)
         }
         KernelSpec::MlaCombine { r } => (define_mla_combine(*r, &props), AddressType::U32),
+        KernelSpec::MhaPrefill { dims } => (define_mha_prefill(*dims, &props), AddressType::U32),
         KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvSwiglu { k, cfg } => (define_gemv_swiglu(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvMma { k, cfg } => (define_gemv_mma(*k, cfg, &props), AddressType::U32),

@@ -328,6 +328,11 @@ pub enum KernelSpec {
         /// Latent rank (value width).
         r: usize,
     },
+    /// `prefill_attention::mha_prefill_kernel` (MLA of prefill chunks in the MHA form).
+    MhaPrefill {
+        /// Head dimensions.
+        dims: crate::cuda::prefill_attention::MhaDims,
+    },
     /// `dense::gemv_bf16_kernel` (BF16-weight GEMV).
     Gemv {
         /// Input width.
@@ -434,6 +439,7 @@ impl KernelSpec {
             Self::Combine { .. } | Self::Copy => CubeDim::new_1d(256),
             Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
+            Self::MhaPrefill { .. } => CubeDim::new_1d(crate::cuda::prefill_attention::THREADS as u32),
             Self::Gemv { cfg, .. } | Self::GemvSwiglu { cfg, .. } => CubeDim::new_2d(32, cfg.warps as u32),
             Self::GemvMma { cfg, .. } => CubeDim::new_2d(32, (cfg.tasks * cfg.ksplit) as u32),
             Self::SplitBf16x3 | Self::Sum3 => CubeDim::new_1d(256),
@@ -459,6 +465,7 @@ impl KernelSpec {
             Self::Copy => "copy f32x4".into(),
             Self::MlaAttention { r, rot, warps, hpw } => format!("mla_attention r{r} rot{rot} warps{warps} hpw{hpw}"),
             Self::MlaCombine { r } => format!("mla_combine r{r}"),
+            Self::MhaPrefill { dims } => format!("mha_prefill nope{} rot{} vd{}", dims.nope, dims.rot, dims.vd),
             Self::Gemv { k, cfg } => {
                 let c = cfg;
                 format!(
@@ -567,6 +574,12 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
         }
     }
     out.push(KernelSpec::MlaCombine { r });
+    // The prefill chunks' MHA form at Kimi-K2's head dimensions (its value width merges segments), where it fits.
+    let mha = crate::cuda::prefill_attention::MhaDims { nope: 128, rot, vd: 128 };
+    if mha.check(smem_limit).is_ok() {
+        out.push(KernelSpec::MhaPrefill { dims: mha });
+        out.push(KernelSpec::MlaCombine { r: mha.vd });
+    }
     for &k in ks {
         for n in 1..=16 {
             for rows in [384, 576, 1536, 2048, 7168, 12288, 16384] {
@@ -712,6 +725,10 @@ mod tests {
             }
         }
         assert!(sm120.iter().filter(|s| matches!(s, KernelSpec::Gemv { .. })).count() >= 4);
+        for specs in [&h200, &sm120] {
+            assert!(specs.iter().any(|s| matches!(s, KernelSpec::MhaPrefill { .. })));
+            assert!(specs.contains(&KernelSpec::MlaCombine { r: 128 }));
+        }
     }
 
     #[test]
