@@ -5,7 +5,8 @@
 //! one launch (`RotaryEmbedding::apply_rows`, `cuda_ops::rope_rows`) against its generic ops, and the absorbed MLA
 //! (`cuda_ops::mla_absorbed`: query absorption + RoPE, attention over the paged cache, value absorption) against an
 //! f64 host reference (1e-5), the MHA form of prefill chunks (`cuda_ops::mla_mha_prefill`) against the absorbed form
-//! (1e-5), and the MoE router on the device (`eyrie_quant::cuda::router`) against the host
+//! (1e-5), greedy picks on the device (`sampling::device_argmax`) against the host's argmax (equal ids), and the MoE
+//! router on the device (`eyrie_quant::cuda::router`) against the host
 //! routing (ids and grouping exact, weights 1e-6) and a whole MoE block routed on the device vs on the host (1e-6).
 //!
 //! Tolerance, norm-wise `max|gpu - ref| / max|ref|`: 1e-6 for RMSNorm (f32, sums in another order) and RoPE against the
@@ -497,6 +498,52 @@ fn main() -> Result<(), Error> {
             );
             rows.push(serde_json::json!({"op": "mla_mha_prefill", "n": n, "start": start, "segments": segs,
                 "error": e, "kernel_us": us, "ok": ok}));
+        }
+    }
+    // Greedy picks on the device (`sampling::device_argmax`: eyrie-quant's `cuda::sampling::argmax_rows`) against
+    // the host's `sampling::argmax` on the same rows: random rows of Kimi's and the tiny model's vocabulary, ties of
+    // the maximum far apart, NaN, infinities, all -inf. Ids must be equal; the time against copying the rows to the
+    // host and picking there.
+    {
+        use eyrie_model::sampling::{argmax, device_argmax};
+        for (rows_n, vocab) in [(1usize, 163_840usize), (64, 163_840), (7, 1024)] {
+            let mut v: Vec<f32> = (0..rows_n * vocab).map(|_| rng.next_f32() * 20.0 - 10.0).collect();
+            for r in 0..rows_n {
+                let row = &mut v[r * vocab..(r + 1) * vocab];
+                match r % 4 {
+                    1 => {
+                        for i in [vocab - 1, vocab / 3, 5 + r] {
+                            row[i] = 11.0;
+                        }
+                    }
+                    2 => {
+                        for (i, x) in row.iter_mut().enumerate() {
+                            if i % 3 == 0 {
+                                *x = f32::NAN;
+                            }
+                        }
+                        row[vocab / 2] = f32::INFINITY;
+                    }
+                    3 if r == 3 => row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
+                    _ => {}
+                }
+            }
+            let want: Vec<u32> = v.chunks(vocab).map(argmax).collect();
+            let t = Tensor::<B, 2>::from_data(TensorData::new(v.clone(), [rows_n, vocab]), &device);
+            let got = device_argmax(&t).ok_or("device_argmax: no device path on CUDA")??;
+            let ok = got == want;
+            failed |= !ok;
+            let us = time(&device, || drop(device_argmax(&t)));
+            let host_us = time(&device, || {
+                let h = host(t.clone());
+                drop(h.chunks(vocab).map(argmax).collect::<Vec<_>>());
+            });
+            println!(
+                "| device_argmax ({} of {rows_n} ids equal) | {rows_n} x {vocab} | - | - | {us:.1} | {host_us:.1} (copy + host argmax) | {ok} |",
+                got.iter().zip(&want).filter(|(a, b)| a == b).count()
+            );
+            rows.push(serde_json::json!({"op": "device_argmax", "rows": rows_n, "vocab": vocab, "equal": ok,
+                "kernel_us": us, "host_us": host_us, "ok": ok}));
         }
     }
     // The MoE router on the device (`eyrie_quant::cuda::router`: top-k and grouping kernels) against the host

@@ -241,6 +241,33 @@ pub fn argmax(logits: &[f32]) -> u32 {
         .0 as u32
 }
 
+/// Whether a greedy step may pick on the device ([`device_argmax`]): `EYRIE_DEVICE_ARGMAX=1` (read once). Off by
+/// default: the kernel was written in session 14 without GPU time and has not yet been run on a GPU.
+pub fn device_argmax_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EYRIE_DEVICE_ARGMAX").is_ok_and(|v| v == "1"))
+}
+
+/// The greedy pick ([`argmax`]) of every row of `logits` `[rows, vocab]` computed where the logits are, when the
+/// backend has a kernel for it (CUDA: `cuda_ops::argmax_rows`, one launch, `rows` ids read back instead of the whole
+/// rows); `None` elsewhere (the caller copies the rows and picks on the host).
+///
+/// # Errors
+/// The device's message when the launch or the readback fails.
+pub fn device_argmax<B: burn::tensor::backend::Backend>(
+    logits: &burn::tensor::Tensor<B, 2>,
+) -> Option<std::result::Result<Vec<u32>, String>> {
+    #[cfg(feature = "cuda")]
+    {
+        crate::cuda_ops::argmax_rows(logits)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = logits;
+        None
+    }
+}
+
 /// `log_softmax(logits)` in f64 precision, returned as f32 (NaN logits get `-inf`): the log-probabilities the
 /// OpenAI API reports (of the model's raw distribution, before penalties and filtering, as vLLM's default).
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {

@@ -300,6 +300,7 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                 }
                 KernelSpec::MlaCombine { r } => json!({"r": r}),
                 KernelSpec::MhaPrefill { dims } => json!({"nope": dims.nope, "rot": dims.rot, "vd": dims.vd}),
+                KernelSpec::ArgmaxRows => json!({}),
                 KernelSpec::Gemv { k, cfg } | KernelSpec::GemvSwiglu { k, cfg } => {
                     json!({"k": k, "warps": cfg.warps, "rows_at_once": cfg.rows_at_once, "tb": cfg.tb})
                 }

@@ -151,3 +151,29 @@ pub fn memory_usage<B: Backend>(device: &B::Device) -> Option<(u64, u64)> {
     let usage = probe.client.memory_usage().ok()?;
     Some((usage.bytes_in_use, usage.bytes_reserved))
 }
+
+/// The argmax of each row of `logits` `[rows, vocab]` on the device (eyrie-quant's `cuda::sampling::argmax_rows`,
+/// the host `sampling::argmax`'s rule), read back as `rows` ids: a greedy step's picks without copying the logits
+/// to the host. `None` when `B` is not CUDA, the logits are not f32 or `vocab` is not a multiple of 4 (the caller
+/// picks on the host).
+///
+/// # Errors
+/// The launcher's or the device's message.
+pub fn argmax_rows<B: Backend>(logits: &Tensor<B, 2>) -> Option<Result<Vec<u32>, String>> {
+    let [rows, vocab] = logits.dims();
+    if !is_cuda::<B>() || logits.dtype() != burn::tensor::DType::F32 || rows == 0 || !vocab.is_multiple_of(4) {
+        return None;
+    }
+    let lc = float(logits.clone())?;
+    let client = lc.client.clone();
+    let out = client.empty(rows * 4);
+    if let Err(e) = eyrie_quant::cuda::sampling::argmax_rows(&client, &lc.handle, rows, vocab, &out) {
+        return Some(Err(e));
+    }
+    Some(
+        client
+            .read_one(out)
+            .map(|bytes| bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+            .map_err(|e| format!("argmax readback: {e:?}")),
+    )
+}

@@ -21,6 +21,7 @@ pub mod prefill_attention;
 pub mod reference;
 pub mod resources;
 pub mod router;
+pub mod sampling;
 
 #[cfg(feature = "cuda")]
 pub mod gpu;

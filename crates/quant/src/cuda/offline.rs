@@ -28,6 +28,7 @@ use super::prefill_attention::{MhaDims, mha_prefill_kernel};
 use super::resources::Arch;
 use super::rope::rope_rows_kernel;
 use super::router::{group_kernel, route_kernel};
+use super::sampling::argmax_rows_kernel;
 use super::specs::{Act, ExpertMmaSpec, ExpertRowsSpec, KernelSpec};
 
 /// 16-byte vectors of the kernels (the launcher's `VEC`).
@@ -337,6 +338,22 @@ fn define_mha_prefill(dims: MhaDims, props: &DeviceProperties) -> KernelDefiniti
     );
     let name = format!("mha_prefill_kernel_n_{VEC}");
     let dim = CubeDim::new_1d(super::prefill_attention::THREADS as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
+
+fn define_argmax_rows(props: &DeviceProperties) -> KernelDefinition {
+    use argmax_rows_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let logits = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let vecs = <u32 as LaunchArg>::expand(&(), &mut b);
+    argmax_rows_kernel::expand::<N>(&mut b.scope, VEC, logits, out, vecs);
+    let name = format!("argmax_rows_kernel_n_{VEC}");
+    let dim = CubeDim::new_1d(super::sampling::ARGMAX_THREADS as u32);
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
 }
 
@@ -686,6 +703,7 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         }
         KernelSpec::MlaCombine { r } => (define_mla_combine(*r, &props), AddressType::U32),
         KernelSpec::MhaPrefill { dims } => (define_mha_prefill(*dims, &props), AddressType::U32),
+        KernelSpec::ArgmaxRows => (define_argmax_rows(&props), AddressType::U32),
         KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvSwiglu { k, cfg } => (define_gemv_swiglu(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvMma { k, cfg } => (define_gemv_mma(*k, cfg, &props), AddressType::U32),

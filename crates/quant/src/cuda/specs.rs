@@ -328,6 +328,8 @@ pub enum KernelSpec {
         /// Latent rank (value width).
         r: usize,
     },
+    /// `sampling::argmax_rows_kernel` (greedy picks on the device).
+    ArgmaxRows,
     /// `prefill_attention::mha_prefill_kernel` (MLA of prefill chunks in the MHA form).
     MhaPrefill {
         /// Head dimensions.
@@ -440,6 +442,7 @@ impl KernelSpec {
             Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
             Self::MhaPrefill { .. } => CubeDim::new_1d(crate::cuda::prefill_attention::THREADS as u32),
+            Self::ArgmaxRows => CubeDim::new_1d(crate::cuda::sampling::ARGMAX_THREADS as u32),
             Self::Gemv { cfg, .. } | Self::GemvSwiglu { cfg, .. } => CubeDim::new_2d(32, cfg.warps as u32),
             Self::GemvMma { cfg, .. } => CubeDim::new_2d(32, (cfg.tasks * cfg.ksplit) as u32),
             Self::SplitBf16x3 | Self::Sum3 => CubeDim::new_1d(256),
@@ -466,6 +469,7 @@ impl KernelSpec {
             Self::MlaAttention { r, rot, warps, hpw } => format!("mla_attention r{r} rot{rot} warps{warps} hpw{hpw}"),
             Self::MlaCombine { r } => format!("mla_combine r{r}"),
             Self::MhaPrefill { dims } => format!("mha_prefill nope{} rot{} vd{}", dims.nope, dims.rot, dims.vd),
+            Self::ArgmaxRows => "argmax_rows".into(),
             Self::Gemv { k, cfg } => {
                 let c = cfg;
                 format!(
@@ -636,6 +640,7 @@ pub fn mla_and_norm_specs(norm_widths: &[usize]) -> Vec<KernelSpec> {
             push(KernelSpec::RmsNorm { width, add });
         }
     }
+    push(KernelSpec::ArgmaxRows);
     for interleave in [false, true] {
         push(KernelSpec::RopeRows { half: rot / 2, interleave });
         push(KernelSpec::MlaLatent { r, rot, interleave });

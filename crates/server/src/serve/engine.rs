@@ -39,6 +39,15 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::metrics::{EngineGauges, Metrics};
 use crate::run_model::to_host;
 
+/// What a plain step's forward hands the picking: the last logits row of every planned sequence on the host, or,
+/// when every row is greedy and the device picked, one token id a row.
+enum StepLogits {
+    /// `[rows, vocab]`, row-major.
+    Rows(Vec<f32>),
+    /// The argmax of each row.
+    Ids(Vec<u32>),
+}
+
 /// Scheduler limits.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -685,7 +694,16 @@ impl<B: Backend> Engine<B> {
             return self.step_speculative(&plan);
         }
         let vocab = self.target.config().vocab_size;
-        let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<Vec<f32>> {
+        // Every row greedy, without penalties or logprobs: the picks can be made where the logits are (a launch and
+        // one id a row read back instead of the rows; `EYRIE_DEVICE_ARGMAX=1`, off by default until checked on a
+        // GPU).
+        let device_greedy = eyrie_model::sampling::device_argmax_enabled()
+            && plan.iter().all(|&(i, _)| {
+                let seq = &self.running[i];
+                let p = seq.sampler.params();
+                p.is_greedy() && !p.has_penalties() && seq.params.logprobs.is_none()
+            });
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<StepLogits> {
             let mut caches: Vec<SequenceCache> =
                 plan.iter().map(|&(i, _)| self.running[i].cache.take().unwrap_or_default()).collect();
             let result = {
@@ -702,18 +720,33 @@ impl<B: Backend> Engine<B> {
             for (&(i, _), c) in plan.iter().zip(caches) {
                 self.running[i].cache = Some(c);
             }
-            to_host(result?)
+            let logits = result?;
+            if device_greedy && let Some(ids) = eyrie_model::sampling::device_argmax(&logits) {
+                return ids.map(StepLogits::Ids).map_err(|e| anyhow::anyhow!("greedy picks on the device: {e}"));
+            }
+            Ok(StepLogits::Rows(to_host(logits)?))
         }));
         Metrics::add(&self.metrics.steps, 1);
-        let logits = match outcome {
-            Ok(Ok(l)) if l.len() == plan.len() * vocab => l,
-            Ok(Ok(l)) => {
+        let mut picks = match outcome {
+            Ok(Ok(StepLogits::Rows(l))) if l.len() == plan.len() * vocab => self.pick_rows(&plan, &l, vocab),
+            Ok(Ok(StepLogits::Ids(ids))) if ids.len() == plan.len() => plan
+                .iter()
+                .zip(ids)
+                .map(|(&(i, _), id)| {
+                    let seq = &self.running[i];
+                    // Mid-prefill rows pick nothing (as `pick_rows`).
+                    (seq.computed() >= seq.tokens.len()).then_some((id, None))
+                })
+                .collect(),
+            Ok(Ok(StepLogits::Rows(l))) => {
                 return self.fail_step(&plan, &format!("logits of {} values for {} rows", l.len(), plan.len()));
+            }
+            Ok(Ok(StepLogits::Ids(ids))) => {
+                return self.fail_step(&plan, &format!("{} greedy picks for {} rows", ids.len(), plan.len()));
             }
             Ok(Err(e)) => return self.fail_step(&plan, &format!("{e:#}")),
             Err(panic) => return self.fail_step(&plan, &format!("panic: {}", panic_message(&*panic))),
         };
-        let mut picks = self.pick_rows(&plan, &logits, vocab);
         let now = Instant::now();
         let mut finished = Vec::new();
         for (row, &(i, _)) in plan.iter().enumerate() {
