@@ -5,9 +5,10 @@
 //!
 //! By concept: [`linear`] (BF16 Linears: GEMV, SwiGLU GEMV, the cuBLAS prefill GEMM), [`norm`] (RMSNorm, with the
 //! residual add), [`rope`] (RoPE of row groups), [`mla`] (attention over the paged cache, the absorption, the cache
-//! writes); this module holds the tensor <-> buffer plumbing they share. The kernels themselves are eyrie-quant's
-//! (`eyrie_quant::cuda::{dense, gemm, attention, mla, norm, rope}`), so `cargo xtask kernels` compiles every one of
-//! them for each target architecture; these modules launch them on burn's tensors.
+//! writes, the MHA form of prefill chunks), [`argmax_rows`] (greedy picks); this module holds the tensor <-> buffer
+//! plumbing they share. The kernels themselves are eyrie-quant's (`eyrie_quant::cuda::{dense, gemm, attention,
+//! prefill_attention, mla, norm, rope, sampling}`), so `cargo xtask kernels` compiles every one of them for each
+//! target architecture; these modules launch them on burn's tensors.
 
 use std::any::Any;
 

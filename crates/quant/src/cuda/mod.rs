@@ -1,7 +1,7 @@
 //! The engine's CUDA hot-path kernels (issue 4): fused INT4 W4A16 mixture-of-experts for decode and verification
 //! widths (1..256 tokens), BF16-weight GEMV ([`dense`]), f32-exact tensor-core GEMM through cuBLAS for prefill
-//! widths ([`gemm`]), MLA attention over the paged latent cache ([`attention`]) and, for prefill chunks, in its MHA form
-//! ([`prefill_attention`]).
+//! widths ([`gemm`]), MLA attention over the paged latent cache ([`attention`]) and, for prefill chunks, in its MHA
+//! form ([`prefill_attention`]), and greedy picks over logits rows ([`sampling`]).
 //!
 //! - [`experts`]: the experts of one layer, their kernel layout (built once at load time) and the grouping of
 //!   token-expert pairs by expert. Always built.

@@ -7,8 +7,8 @@
 //! One block of [`ARGMAX_THREADS`] threads a row: thread `t` reads 16-byte vectors `t, t + 1024, ...` four at a time
 //! (four loads in flight before any compare), keeps its best (value, index) with a strict `>` (its indices rise, so
 //! ties keep the lowest), then a warp's 32 bests merge by xor shuffles and the 32 warps' through shared memory.
-//! An index sentinel (`2^31 - 1`) marks "nothing yet" so that no `-inf` literal is needed: a value is taken first when it is
-//! `>= f32::MIN` (finite or `+inf`), then only when greater.
+//! An index sentinel (`2^31 - 1`) marks "nothing yet" so that no `-inf` literal is needed: a value is taken first
+//! when it is `>= f32::MIN` (finite or `+inf`), then only when greater.
 //!
 //! The CPU reference is always built and tested in CI; the GPU check against it is eyrie-model's `gpu_ops`.
 
