@@ -241,11 +241,71 @@ pub fn argmax(logits: &[f32]) -> u32 {
         .0 as u32
 }
 
-/// Whether a greedy step may pick on the device ([`device_argmax`]): `EYRIE_DEVICE_ARGMAX=1` (read once). Off by
-/// default: the kernel was written in session 14 without GPU time and has not yet been run on a GPU.
+/// Set by [`enable_device_argmax`]: greedy steps pick on the device.
+static DEVICE_ARGMAX: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets greedy steps pick on the device ([`device_argmax`]) unless `EYRIE_DEVICE_ARGMAX` decides; the server calls
+/// it after [`check_device_argmax`] passed on its device.
+pub fn enable_device_argmax() {
+    DEVICE_ARGMAX.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether a greedy step may pick on the device: `EYRIE_DEVICE_ARGMAX` when set (read once; `1` on, anything else
+/// off), else what [`enable_device_argmax`] set (off until then).
 pub fn device_argmax_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EYRIE_DEVICE_ARGMAX").is_ok_and(|v| v == "1"))
+    static ENV: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
+    ENV.get_or_init(|| std::env::var("EYRIE_DEVICE_ARGMAX").ok().map(|v| v == "1"))
+        .unwrap_or_else(|| DEVICE_ARGMAX.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+/// Whether `EYRIE_DEVICE_ARGMAX` is set (then the server's self-check does not switch the device picks).
+pub fn device_argmax_env_set() -> bool {
+    std::env::var_os("EYRIE_DEVICE_ARGMAX").is_some()
+}
+
+/// A device self-check of [`device_argmax`] at a vocabulary of `vocab` (the server's warm-up runs it before turning
+/// the device picks on): 6 rows of random logits with the maximum tied far apart, NaN, `+inf`, all `-inf`; the ids
+/// must equal [`argmax`]'s on the host.
+///
+/// # Errors
+/// The backend has no device path (not CUDA, or `vocab` not a multiple of 4), the device's error, or an id that
+/// differs (named by row).
+pub fn check_device_argmax<B: burn::tensor::backend::Backend>(
+    device: &B::Device,
+    vocab: usize,
+) -> std::result::Result<(), String> {
+    let rows = 6usize;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut v: Vec<f32> = (0..rows * vocab)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 * 20.0 - 10.0
+        })
+        .collect();
+    for (r, row) in v.chunks_mut(vocab).enumerate() {
+        match r {
+            1 => {
+                for i in [vocab - 1, vocab / 3, 5.min(vocab - 1)] {
+                    row[i] = 11.0;
+                }
+            }
+            2 => {
+                row.iter_mut().step_by(3).for_each(|x| *x = f32::NAN);
+                row[vocab / 2] = f32::INFINITY;
+            }
+            3 => row.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
+            _ => {}
+        }
+    }
+    let want: Vec<u32> = v.chunks(vocab).map(argmax).collect();
+    let t = burn::tensor::Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(v, [rows, vocab]), device);
+    let got = device_argmax(&t).ok_or_else(|| format!("no device path for a vocabulary of {vocab}"))??;
+    if let Some(r) = (0..rows).find(|&r| got.get(r) != want.get(r)) {
+        return Err(format!("row {r}: the device picked {:?}, the host {}", got.get(r), want[r]));
+    }
+    Ok(())
 }
 
 /// The greedy pick ([`argmax`]) of every row of `logits` `[rows, vocab]` computed where the logits are, when the

@@ -359,34 +359,113 @@ pub fn mla_latent_write<B: Backend>(
 }
 
 /// Rows a span (one sequence's new tokens in a step) needs for its attention to run in the MHA form
-/// ([`mla_mha_prefill`]) instead of the absorbed one, by default: `None`, off. The MHA kernel was written in session
-/// 14, which had no GPU time left: its algorithm is checked on the CPU (eyrie-quant's simulation test), its CubeCL
-/// build through NVRTC, but not yet its output on a GPU (`gpu_prefill_attention`, `gpu_ops`) nor where it starts
-/// to pay (docs/DEVELOPING.md). Turn it on with `EYRIE_MHA_PREFILL_MIN_ROWS`.
-pub const MHA_PREFILL_MIN_ROWS: Option<usize> = None;
+/// ([`mla_mha_prefill`]) instead of the absorbed one, once the form is on ([`enable_mha_prefill`]). Expected
+/// crossover from the flop counts (not yet measured: the kernel was written in session 14 without GPU time): the
+/// expansion of the whole context costs `2 r H (nope + vd)` flops a key on cuBLAS, the attention saves
+/// `2 H (1088 - 320)` a row and key on the CUDA cores, so the MHA form pays from a few dozen rows; 128 leaves room.
+pub const MHA_PREFILL_MIN_ROWS: usize = 128;
 
-/// Rows a span needs for the MHA form: [`MHA_PREFILL_MIN_ROWS`], or `EYRIE_MHA_PREFILL_MIN_ROWS` (read once; a
-/// positive number of rows turns the MHA form on for spans that long, 0 turns it off).
+/// The rows [`mha_prefill_min_rows`] returns without the environment variable: 0 while the MHA form is off.
+static MHA_AUTO: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Turns the MHA form on for spans of `min_rows` rows or more (0: off), unless `EYRIE_MHA_PREFILL_MIN_ROWS` decides.
+/// The server calls it after [`check_mha_prefill`] passed on its device.
+pub fn enable_mha_prefill(min_rows: usize) {
+    MHA_AUTO.store(min_rows, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Rows a span needs for the MHA form, or `None` when the form is off: `EYRIE_MHA_PREFILL_MIN_ROWS` when set (read
+/// once; a positive number of rows, or 0 for off), else what [`enable_mha_prefill`] set (off until then: a process
+/// that runs no device self-check, a benchmark or `eyrie generate`, keeps the absorbed form unless told).
 pub fn mha_prefill_min_rows() -> Option<usize> {
-    static MIN: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *MIN.get_or_init(|| match std::env::var("EYRIE_MHA_PREFILL_MIN_ROWS") {
-        Err(std::env::VarError::NotPresent) => MHA_PREFILL_MIN_ROWS,
+    static ENV: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let env = *ENV.get_or_init(|| match std::env::var("EYRIE_MHA_PREFILL_MIN_ROWS") {
+        Err(std::env::VarError::NotPresent) => None,
         Ok(v) => match v.parse::<usize>() {
-            Ok(0) => None,
             Ok(n) => Some(n),
             Err(_) => {
-                eprintln!(
-                    "eyrie: warning: EYRIE_MHA_PREFILL_MIN_ROWS={v:?} is not a non-negative integer; using the \
-                     default ({MHA_PREFILL_MIN_ROWS:?})"
-                );
-                MHA_PREFILL_MIN_ROWS
+                eprintln!("eyrie: warning: EYRIE_MHA_PREFILL_MIN_ROWS={v:?} is not a non-negative integer; ignored");
+                None
             }
         },
         Err(e) => {
-            eprintln!("eyrie: warning: EYRIE_MHA_PREFILL_MIN_ROWS: {e}; using the default ({MHA_PREFILL_MIN_ROWS:?})");
-            MHA_PREFILL_MIN_ROWS
+            eprintln!("eyrie: warning: EYRIE_MHA_PREFILL_MIN_ROWS: {e}; ignored");
+            None
         }
-    })
+    });
+    let rows = env.unwrap_or_else(|| MHA_AUTO.load(std::sync::atomic::Ordering::Relaxed));
+    (rows > 0).then_some(rows)
+}
+
+/// Whether `EYRIE_MHA_PREFILL_MIN_ROWS` is set (then the server's self-check does not switch the form).
+pub fn mha_prefill_env_set() -> bool {
+    std::env::var_os("EYRIE_MHA_PREFILL_MIN_ROWS").is_some()
+}
+
+/// A device self-check of the MHA form (the server's warm-up runs it before turning the form on): random queries,
+/// latents, RoPE tables and a BF16 `kv_b_proj` at `dims`' head dimensions (8 heads), a 150-row chunk after 100
+/// cached positions (three query tiles, the last partial), in one segment and in segments of 128 keys, through
+/// [`mla_mha_prefill`] against [`mla_absorbed`] on the same inputs (the path the model runs otherwise, checked
+/// against transformers). Returns the larger norm-wise difference `max |mha - absorbed| / max |absorbed|`.
+///
+/// # Errors
+/// Not CUDA, dimensions the kernel does not take, a kernel that refused its inputs, or a difference above 1e-5.
+pub fn check_mha_prefill<B: Backend>(device: &B::Device, dims: MlaDims) -> Result<f64, String> {
+    use burn::tensor::TensorData;
+    use eyrie_quant::cuda::attention::PagedRows;
+    let MlaDims { nope, rot, vd, r, .. } = dims;
+    let dims = MlaDims { heads: 8, ..dims };
+    let heads = dims.heads;
+    if !is_cuda::<B>() {
+        return Err("not the CUDA backend".into());
+    }
+    eyrie_quant::cuda::prefill_attention::MhaDims { nope, rot, vd }.check(usize::MAX)?;
+    let (n, start, half) = (150usize, 100usize, rot / 2);
+    let keys = start + n;
+    let mut rng = eyrie_quant::cuda::SplitMix64::new(0x5eed_c0de);
+    let mut rand = |len: usize, s: f32| -> Vec<f32> { (0..len).map(|_| (rng.next_f32() - 0.5) * s).collect() };
+    let t2 = |v: Vec<f32>, shape: [usize; 2]| Tensor::<B, 2>::from_data(TensorData::new(v, shape), device);
+    let q = t2(rand(n * heads * (nope + rot), 2.0), [n, heads * (nope + rot)]);
+    let lat = t2(rand(keys * (r + rot), 2.0), [keys, r + rot]);
+    let cos = t2(rand(n * half, 2.0), [n, half]);
+    let sin = t2(rand(n * half, 2.0), [n, half]);
+    let w = t2(rand(heads * (nope + vd) * r, 0.25), [heads * (nope + vd), r]).cast(burn::tensor::FloatDType::BF16);
+    let scale = 1.0 / ((nope + rot) as f64).sqrt();
+    let rows = PagedRows {
+        row_seq: vec![0; n],
+        row_len: (0..n).map(|i| (start + i + 1) as u32).collect(),
+        tables: vec![0],
+        max_blocks: 1,
+        block_size: keys,
+    };
+    let host = |t: Tensor<B, 2>| -> Result<Vec<f32>, String> {
+        t.into_data().to_vec::<f32>().map_err(|e| format!("readback: {e:?}"))
+    };
+    let want = host(
+        mla_absorbed(&q, &w, &cos, &sin, false, &lat, &rows, None, scale, dims)
+            .ok_or("the absorbed form refused the inputs")?,
+    )?;
+    let max_ref = want.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
+    let mut worst = 0.0f64;
+    for segment in [0usize, 128] {
+        // The expansion as the model runs it: `kv_b_proj`'s Linear.
+        let kv_b = crate::linear::Linear::from_weight(w.clone());
+        let expand = |c: Tensor<B, 2>| kv_b.forward(c);
+        let got = host(
+            mla_mha_prefill(&q, &cos, &sin, false, &lat, expand, start, scale, dims, segment)
+                .ok_or("the MHA form refused the inputs")?,
+        )?;
+        if got.len() != want.len() {
+            return Err(format!("{} outputs, the absorbed form gave {}", got.len(), want.len()));
+        }
+        let diff = got.iter().zip(&want).fold(0.0f64, |m, (&g, &w)| m.max((f64::from(g) - f64::from(w)).abs()));
+        let e = if got.iter().all(|x| x.is_finite()) { diff / max_ref.max(1e-30) } else { f64::INFINITY };
+        worst = worst.max(e);
+    }
+    if worst > 1e-5 {
+        return Err(format!("differs from the absorbed form by {worst:.1e} (tolerance 1e-5)"));
+    }
+    Ok(worst)
 }
 
 /// Most bytes of expanded keys and values one segment of [`mla_mha_prefill`] holds at once (longer contexts are

@@ -28,8 +28,8 @@ pub use eyrie_quant::cuda::rope::rope_rows_kernel;
 pub use linear::{GEMV_MAX_TOKENS, gemv_max_tokens, mma_gemv_max_tokens};
 pub(crate) use linear::{gemm, gemv, gemv_swiglu_pair};
 pub use mla::{
-    MHA_PREFILL_MIN_ROWS, MHA_SEGMENT_BYTES, MlaDims, mha_prefill_min_rows, mla_absorbed, mla_latent_write,
-    mla_mha_prefill, warm_up_attention,
+    MHA_PREFILL_MIN_ROWS, MHA_SEGMENT_BYTES, MlaDims, check_mha_prefill, enable_mha_prefill, mha_prefill_env_set,
+    mha_prefill_min_rows, mla_absorbed, mla_latent_write, mla_mha_prefill, warm_up_attention,
 };
 pub(crate) use mla::{mla_attention, write_rows};
 pub(crate) use norm::{add_rms_norm, rms_norm};
