@@ -419,7 +419,9 @@ pub fn check_mha_prefill<B: Backend>(device: &B::Device, dims: MlaDims) -> Resul
     if !is_cuda::<B>() {
         return Err("not the CUDA backend".into());
     }
-    eyrie_quant::cuda::prefill_attention::MhaDims { nope, rot, vd }.check(usize::MAX)?;
+    eyrie_quant::cuda::prefill_attention::MhaDims { nope, rot, vd }
+        .check(usize::MAX)
+        .map_err(|e| e.trim_start_matches("MHA prefill attention: ").to_string())?;
     let (n, start, half) = (150usize, 100usize, rot / 2);
     let keys = start + n;
     let mut rng = eyrie_quant::cuda::SplitMix64::new(0x5eed_c0de);
