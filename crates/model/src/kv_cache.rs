@@ -834,3 +834,45 @@ mod tests {
         assert!(cache.step_meta(&step_c[..1], 2).is_none());
     }
 }
+#[cfg(test)]
+mod in_place {
+    use super::*;
+    use burn::backend::Flex;
+
+    /// The address of `t`'s buffer on burn's CPU backend.
+    fn buffer(t: &Tensor<Flex, 2>) -> usize {
+        let prim = t.clone().into_primitive().tensor();
+        prim.storage::<f32>().as_ptr() as usize
+    }
+
+    /// On the CPU backend a cache write lands in the pool's own buffer: burn-flex 0.21 copied the whole pool at
+    /// every `slice_assign` (its copy-on-write saw two owners), 71% of a CPU decode step; the vendored burn-flex
+    /// (Cargo.toml's `[patch.crates-io]`) writes in place. A copy would show as a new buffer address.
+    #[test]
+    fn cache_writes_do_not_copy_the_pool() {
+        let dev = Default::default();
+        let (bs, num_blocks, width) = (4usize, 8usize, 6usize);
+        let mut cache = PagedMlaCache::<Flex> {
+            pools: vec![Tensor::zeros([num_blocks * bs, width], &dev)],
+            spare: Tensor::zeros([1, width], &dev),
+            step: None,
+            block_size: bs,
+            blocks: BlockPool::new(num_blocks, bs),
+        };
+        let seq = SequenceCache { blocks: vec![3, 1], len: 0 };
+        // The first write may move the pool out of a shared zero buffer; every later one must not move it.
+        cache.write(0, &seq, 0, Tensor::ones([1, width], &dev));
+        // One row a write, each one `slice_assign` (two copies in a row could land back at the first address).
+        for pos in 1..6 {
+            let before = buffer(&cache.pools[0]);
+            let row = (pos * width..(pos + 1) * width).map(|v| v as f32).collect::<Vec<_>>();
+            cache.write(0, &seq, pos, Tensor::from_data(TensorData::new(row, [1, width]), &dev));
+            assert_eq!(buffer(&cache.pools[0]), before, "write at position {pos}: the pool was copied");
+        }
+        // And the values are where the page table says (positions 1..6: block 3 rows 1..4, block 1 rows 0..2).
+        let pool = cache.pools[0].clone().into_data().to_vec::<f32>().unwrap();
+        assert_eq!(pool[(3 * bs) * width], 1.0);
+        assert_eq!(pool[(3 * bs + 1) * width], width as f32);
+        assert_eq!(pool[(bs + 1) * width + 2], (5 * width + 2) as f32);
+    }
+}
