@@ -672,6 +672,13 @@ mod tests {
     use crate::linear::Linear;
     use crate::mla::QueryProjection;
 
+    /// A one-layer cache on the CPU backend over `pool` `[num_blocks * bs, width]`.
+    pub(super) fn flex_cache(pool: Tensor<Flex, 2>, bs: usize, num_blocks: usize) -> PagedMlaCache<Flex> {
+        let width = pool.dims()[1];
+        let spare = Tensor::zeros([1, width], &pool.device());
+        PagedMlaCache { pools: vec![pool], spare, step: None, block_size: bs, blocks: BlockPool::new(num_blocks, bs) }
+    }
+
     /// Values in `[-1, 1)` from a fixed LCG.
     fn values(state: &mut u64, n: usize) -> Vec<f32> {
         (0..n)
@@ -691,13 +698,11 @@ mod tests {
         let width = r + rot;
         let mut st = 7u64;
         let pool = values(&mut st, num_blocks * bs * width);
-        let cache = PagedMlaCache::<Flex> {
-            pools: vec![Tensor::from_data(TensorData::new(pool.clone(), [num_blocks * bs, width]), &dev)],
-            spare: Tensor::zeros([1, width], &dev),
-            step: None,
-            block_size: bs,
-            blocks: BlockPool::new(num_blocks, bs),
-        };
+        let cache = flex_cache(
+            Tensor::from_data(TensorData::new(pool.clone(), [num_blocks * bs, width]), &dev),
+            bs,
+            num_blocks,
+        );
         // Blocks already reserved for the new tokens; `len` is still the old length.
         let seqs = [
             SequenceCache { blocks: vec![7, 2], len: 5 },
@@ -790,13 +795,7 @@ mod tests {
     fn step_meta_is_the_spans_own_and_never_stale() {
         let dev = Default::default();
         let (bs, num_blocks, width) = (4usize, 12usize, 6usize);
-        let mut cache = PagedMlaCache::<Flex> {
-            pools: vec![Tensor::zeros([num_blocks * bs, width], &dev)],
-            spare: Tensor::zeros([1, width], &dev),
-            step: None,
-            block_size: bs,
-            blocks: BlockPool::new(num_blocks, bs),
-        };
+        let mut cache = flex_cache(Tensor::zeros([num_blocks * bs, width], &dev), bs, num_blocks);
         let ints = |t: &Tensor<Flex, 1, Int>| -> Vec<u32> {
             t.clone().into_data().convert::<i64>().to_vec::<i64>().unwrap().iter().map(|&v| v as u32).collect()
         };
@@ -836,6 +835,7 @@ mod tests {
 }
 #[cfg(test)]
 mod in_place {
+    use super::tests::flex_cache;
     use super::*;
     use burn::backend::Flex;
 
@@ -852,13 +852,7 @@ mod in_place {
     fn cache_writes_do_not_copy_the_pool() {
         let dev = Default::default();
         let (bs, num_blocks, width) = (4usize, 8usize, 6usize);
-        let mut cache = PagedMlaCache::<Flex> {
-            pools: vec![Tensor::zeros([num_blocks * bs, width], &dev)],
-            spare: Tensor::zeros([1, width], &dev),
-            step: None,
-            block_size: bs,
-            blocks: BlockPool::new(num_blocks, bs),
-        };
+        let mut cache = flex_cache(Tensor::zeros([num_blocks * bs, width], &dev), bs, num_blocks);
         let seq = SequenceCache { blocks: vec![3, 1], len: 0 };
         // The first write may move the pool out of a shared zero buffer; every later one must not move it.
         cache.write(0, &seq, 0, Tensor::ones([1, width], &dev));

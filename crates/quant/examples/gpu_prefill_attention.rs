@@ -24,10 +24,10 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
-use eyrie_quant::cuda::SplitMix64;
 use eyrie_quant::cuda::attention::{AttentionConfig, PagedRows, mla_attention};
 use eyrie_quant::cuda::gemm::{Blas, gemm_f32_bf16w};
 use eyrie_quant::cuda::prefill_attention::{MhaDims, combine_segments, mha_prefill_attention, mha_prefill_reference};
+use eyrie_quant::cuda::{Mismatch, SplitMix64};
 
 type R = CudaRuntime;
 
@@ -113,10 +113,10 @@ fn check(client: &ComputeClient<R>, rng: &mut SplitMix64, case: &Case) -> Result
         out
     };
     let got = read(client, &out)?;
-    let max_ref = want.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
-    let max_diff = got.iter().zip(&want).fold(0.0f64, |m, (&g, &w)| m.max((f64::from(g) - f64::from(w)).abs()));
-    let nan = got.iter().any(|x| !x.is_finite());
-    let e = if nan { f64::INFINITY } else { max_diff / max_ref.max(1e-30) };
+    if got.len() < want.len() {
+        bail!("{}: {} outputs read back, {} expected", case.name, got.len(), want.len());
+    }
+    let e = f64::from(Mismatch::of(&got[..want.len()], &want).rel_to_max);
     Ok((e, e <= TOL))
 }
 

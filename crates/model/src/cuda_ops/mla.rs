@@ -447,7 +447,6 @@ pub fn check_mha_prefill<B: Backend>(device: &B::Device, dims: MlaDims) -> Resul
         mla_absorbed(&q, &w, &cos, &sin, false, &lat, &rows, None, scale, dims)
             .ok_or("the absorbed form refused the inputs")?,
     )?;
-    let max_ref = want.iter().fold(0.0f64, |m, &x| m.max(f64::from(x).abs()));
     let mut worst = 0.0f64;
     for segment in [0usize, 128] {
         // The expansion as the model runs it: `kv_b_proj`'s Linear.
@@ -460,9 +459,7 @@ pub fn check_mha_prefill<B: Backend>(device: &B::Device, dims: MlaDims) -> Resul
         if got.len() != want.len() {
             return Err(format!("{} outputs, the absorbed form gave {}", got.len(), want.len()));
         }
-        let diff = got.iter().zip(&want).fold(0.0f64, |m, (&g, &w)| m.max((f64::from(g) - f64::from(w)).abs()));
-        let e = if got.iter().all(|x| x.is_finite()) { diff / max_ref.max(1e-30) } else { f64::INFINITY };
-        worst = worst.max(e);
+        worst = worst.max(f64::from(eyrie_quant::cuda::Mismatch::of(&got, &want).rel_to_max));
     }
     if worst > 1e-5 {
         return Err(format!("differs from the absorbed form by {worst:.1e} (tolerance 1e-5)"));

@@ -264,7 +264,7 @@ impl AttentionConfig {
 pub use gpu::{mla_attention, mla_attention_kernel, mla_combine_kernel, warm_up, write_rows, write_rows_kernel};
 
 #[cfg(feature = "cuda")]
-mod gpu {
+pub(crate) mod gpu {
     use burn::cubecl;
     use cubecl::prelude::barrier::{Barrier, copy_async};
     use cubecl::prelude::*;
@@ -274,7 +274,7 @@ mod gpu {
 
     /// A vector of four f32 zeros (built element by element: NVRTC refuses CubeCL's cast of a literal).
     #[cube]
-    fn zeros4<N: Size>() -> Vector<f32, N> {
+    pub(crate) fn zeros4<N: Size>() -> Vector<f32, N> {
         let mut z = Vector::<f32, N>::empty();
         z[0] = f32::new(0.0);
         z[1] = f32::new(0.0);

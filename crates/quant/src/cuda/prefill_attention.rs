@@ -147,17 +147,7 @@ mod gpu {
     use cubecl::server::Handle;
 
     use super::{MhaDims, Q_TILE, THREADS};
-
-    /// A vector of four f32 zeros (element by element: NVRTC refuses CubeCL's cast of a literal).
-    #[cube]
-    fn zeros4<N: Size>() -> Vector<f32, N> {
-        let mut z = Vector::<f32, N>::empty();
-        z[0] = f32::new(0.0);
-        z[1] = f32::new(0.0);
-        z[2] = f32::new(0.0);
-        z[3] = f32::new(0.0);
-        z
-    }
+    use crate::cuda::attention::gpu::zeros4;
 
     /// Four 16-byte vectors (rows) transposed into four (columns): `out[c][e] = in[e][c]`, column `c` stored at
     /// `smem[base + c * stride]`.
@@ -988,14 +978,8 @@ mod tests {
                 key0 += len;
             }
             let got = if segments == 1 { o_part } else { combine(&o_part, &ml_part, n * heads, segments, vd) };
-            let max_ref = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let max_diff = got.iter().zip(&want).fold(0.0f32, |m, (g, w)| m.max((g - w).abs()));
-            assert!(got.iter().all(|x| x.is_finite()), "{dims:?} n {n} start {start}: not finite");
-            assert!(
-                max_diff / max_ref <= 1e-5,
-                "{dims:?} n {n} start {start} segments {segs:?}: {}",
-                max_diff / max_ref
-            );
+            let e = crate::cuda::Mismatch::of(&got, &want).rel_to_max;
+            assert!(e <= 1e-5, "{dims:?} n {n} start {start} segments {segs:?}: {e}");
         }
     }
 
