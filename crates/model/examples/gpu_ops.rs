@@ -459,13 +459,7 @@ fn main() -> Result<(), Error> {
                 |v: &Vec<f32>, shape: [usize; 2]| Tensor::<B, 2>::from_data(TensorData::new(v.clone(), shape), &device);
             let kv_b = Linear::from_weight(t2(&w, [heads * (nope + vd), r]).cast(FloatDType::BF16));
             let scale = 1.0 / ((nope + rot) as f64).sqrt();
-            let paged = PagedRows {
-                row_seq: vec![0; n],
-                row_len: (0..n).map(|i| (start + i + 1) as u32).collect(),
-                tables: vec![0],
-                max_blocks: 1,
-                block_size: keys,
-            };
+            let paged = PagedRows::contiguous_chunk(n, start);
             let (q_t, cos_t, sin_t, lat_t) =
                 (t2(&q, [n, heads * (nope + rot)]), t2(&cos, [n, half]), t2(&sin, [n, half]), t2(&lat, [keys, width]));
             let want = host(

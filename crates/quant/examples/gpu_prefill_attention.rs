@@ -249,13 +249,7 @@ fn main() -> Result<()> {
             attend()
         })?;
         // The absorbed kernel over the same latents (one sequence in one block of the pool).
-        let rows = PagedRows {
-            row_seq: vec![0; n],
-            row_len: (0..n).map(|i| (start + i + 1) as u32).collect(),
-            tables: vec![0],
-            max_blocks: 1,
-            block_size: keys,
-        };
+        let rows = PagedRows::contiguous_chunk(n, start);
         let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
         let out_abs = client.empty(n * heads * r * 4);
         let cfg = AttentionConfig::new(n, heads, keys, d, sms, smem)

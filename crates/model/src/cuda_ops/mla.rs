@@ -433,13 +433,7 @@ pub fn check_mha_prefill<B: Backend>(device: &B::Device, dims: MlaDims) -> Resul
     let sin = t2(rand(n * half, 2.0), [n, half]);
     let w = t2(rand(heads * (nope + vd) * r, 0.25), [heads * (nope + vd), r]).cast(burn::tensor::FloatDType::BF16);
     let scale = 1.0 / ((nope + rot) as f64).sqrt();
-    let rows = PagedRows {
-        row_seq: vec![0; n],
-        row_len: (0..n).map(|i| (start + i + 1) as u32).collect(),
-        tables: vec![0],
-        max_blocks: 1,
-        block_size: keys,
-    };
+    let rows = PagedRows::contiguous_chunk(n, start);
     let host = |t: Tensor<B, 2>| -> Result<Vec<f32>, String> {
         t.into_data().to_vec::<f32>().map_err(|e| format!("readback: {e:?}"))
     };

@@ -43,6 +43,18 @@ pub struct PagedRows {
 }
 
 impl PagedRows {
+    /// The rows of one sequence's chunk of `n` new tokens after `start` cached positions, its `start + n` positions
+    /// held contiguously from cache row 0 (one block): checks and benchmarks over a plain latent buffer.
+    pub fn contiguous_chunk(n: usize, start: usize) -> Self {
+        Self {
+            row_seq: vec![0; n],
+            row_len: (0..n).map(|i| (start + i + 1) as u32).collect(),
+            tables: vec![0],
+            max_blocks: 1,
+            block_size: start + n,
+        }
+    }
+
     /// Query rows.
     pub fn rows(&self) -> usize {
         self.row_seq.len()

@@ -669,13 +669,7 @@ mod tests {
                 }
             }
         }
-        let rows = PagedRows {
-            row_seq: vec![0; n],
-            row_len: (0..n).map(|i| (start + i + 1) as u32).collect(),
-            tables: vec![0],
-            max_blocks: 1,
-            block_size: total,
-        };
+        let rows = PagedRows::contiguous_chunk(n, start);
         let o_lat = mla_attention_reference(&qa, &lat, &rows, heads, r, dims.rot, scale);
         for i in 0..n {
             for h in 0..heads {
