@@ -1,0 +1,148 @@
+//! Tests of [`super`] (`cuda::attention`), in a file of their own.
+
+use super::*;
+
+fn one_seq(lens: &[u32], blocks: &[u32], block_size: usize) -> PagedRows {
+    PagedRows {
+        row_seq: vec![0; lens.len()],
+        row_len: lens.to_vec(),
+        tables: blocks.to_vec(),
+        max_blocks: blocks.len(),
+        block_size,
+    }
+}
+
+#[test]
+fn one_position_returns_its_latent() {
+    // r = 2, rot = 1; cache rows 0 and 1; the sequence lives in block 1 (block size 1).
+    let cache = [9.0, 9.0, 9.0, 0.5, -2.0, 1.0];
+    let rows = one_seq(&[1], &[1], 1);
+    let out = mla_attention_reference(&[1.0, 2.0, 3.0, -1.0, 0.0, 4.0], &cache, &rows, 2, 2, 1, 0.3);
+    assert_eq!(out, vec![0.5, -2.0, 0.5, -2.0]);
+}
+
+#[test]
+fn equal_scores_average_and_causal_lengths_cut() {
+    // Two positions with the same score (q . k_pe = 0, q_lat = 0): mean of the two; len 1 sees only the first.
+    let cache = [1.0, 3.0, 0.0, 0.0, 5.0, -7.0, 0.0, 0.0];
+    let rows = one_seq(&[2, 1], &[0, 1], 1);
+    let q = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0];
+    let out = mla_attention_reference(&q, &cache, &rows, 1, 2, 2, 1.0);
+    assert_eq!(out, vec![3.0, -2.0, 1.0, 3.0]);
+}
+
+#[test]
+fn softmax_weights_follow_the_scores() {
+    // r = 4, rot = 1. Scores 0 and ln 3 (scale 1): weights 1/4 and 3/4. Block size 2: positions 0 and 1 are
+    // cache rows 0 and 1 of block 0; the table's other entries are never read at length 2.
+    let mut cache = vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 3f32.ln()];
+    cache.extend_from_slice(&[0.0; 10]);
+    let rows = PagedRows { row_seq: vec![0], row_len: vec![2], tables: vec![0, 1, 7], max_blocks: 3, block_size: 2 };
+    let out = mla_attention_reference(&[0.0, 0.0, 0.0, 0.0, 1.0], &cache, &rows, 1, 4, 1, 1.0);
+    let want = [0.25, 0.0, 0.0, 0.75];
+    assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{out:?}");
+}
+
+#[test]
+fn subsets_keep_the_tables_and_cut_the_rows() {
+    let rows = PagedRows {
+        row_seq: vec![0, 1, 1],
+        row_len: vec![3, 1, 2],
+        tables: vec![0, 1, 2, 0],
+        max_blocks: 2,
+        block_size: 2,
+    };
+    let part = rows.subset(1..3);
+    assert_eq!((part.row_seq, part.row_len), (vec![1, 1], vec![1, 2]));
+    assert_eq!(part.tables, rows.tables);
+    let parts: Vec<PagedRows> = (0..3).step_by(2).map(|s| rows.subset(s..(s + 2).min(3))).collect();
+    assert_eq!(parts.iter().map(PagedRows::rows).sum::<usize>(), 3);
+    assert_eq!(parts[1].slot(0, 1), rows.slot(2, 1));
+}
+
+#[test]
+fn validate_names_the_bad_row() {
+    let rows =
+        PagedRows { row_seq: vec![0, 1], row_len: vec![3, 1], tables: vec![0, 1, 2, 0], max_blocks: 2, block_size: 2 };
+    assert!(rows.validate(6).is_ok());
+    assert!(rows.validate(3).unwrap_err().contains("row 0: block 1"));
+    let bad = PagedRows { row_len: vec![5, 1], ..rows.clone() };
+    assert!(bad.validate(6).unwrap_err().contains("row 0: row_len 5"));
+    let bad = PagedRows { row_seq: vec![0, 2], ..rows };
+    assert!(bad.validate(6).unwrap_err().contains("row 1: row_seq 2"));
+}
+
+#[test]
+fn config_fits_shared_memory_and_covers_the_positions() {
+    let c = AttentionConfig::new(8, 64, 8192, 576, 132, 227 * 1024).unwrap();
+    assert_eq!((c.warps, c.hpw), (8, 8));
+    assert!(c.splits * c.chunk >= 8192 && c.chunk.is_multiple_of(32));
+    assert!(8 * c.splits >= 120, "about every multiprocessor gets a block: {c:?}");
+    // The H200 sweep's best shapes: batch 8 at 1k (16 slices of 64), batch 8 at 8k (16 of 512), batch 32 at 1k
+    // (4 of 256: one wave of 128 blocks).
+    assert_eq!(
+        AttentionConfig::new(8, 64, 1024, 576, 132, 227 * 1024),
+        Some(AttentionConfig { warps: 8, hpw: 8, splits: 16, chunk: 64 })
+    );
+    assert_eq!(
+        AttentionConfig::new(8, 64, 8192, 576, 132, 227 * 1024),
+        Some(AttentionConfig { warps: 8, hpw: 8, splits: 16, chunk: 512 })
+    );
+    assert_eq!(
+        AttentionConfig::new(32, 64, 1024, 576, 132, 227 * 1024),
+        Some(AttentionConfig { warps: 8, hpw: 8, splits: 4, chunk: 256 })
+    );
+    // One row over a short context: 32-position slices, 2 heads a warp and 4 head groups of 8 warps (128
+    // blocks of short chains).
+    let c = AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024).unwrap();
+    assert_eq!(c, AttentionConfig { warps: 8, hpw: 2, splits: 32, chunk: 32 });
+    assert_eq!(c.blocks(1, 64), 128);
+    // One more tile (a decode step past 1024 positions) keeps 2 heads a warp (GPU-timed: 26.2 us against 32.5
+    // with 4, session 13).
+    let c = AttentionConfig::new(1, 64, 1040, 576, 132, 227 * 1024).unwrap();
+    assert_eq!((c.warps, c.hpw, c.chunk), (8, 2, 32));
+    // Two and four rows over 1k: 4 heads a warp (the sweep's best shapes).
+    assert_eq!(
+        AttentionConfig::new(2, 64, 1024, 576, 132, 227 * 1024),
+        Some(AttentionConfig { warps: 8, hpw: 4, splits: 32, chunk: 32 })
+    );
+    assert_eq!(
+        AttentionConfig::new(4, 64, 1024, 576, 132, 227 * 1024),
+        Some(AttentionConfig { warps: 8, hpw: 4, splits: 16, chunk: 64 })
+    );
+    // SM120: 99 KiB per block allows one warp of 8 heads with a 576-wide latent tile, more of fewer heads.
+    let c = AttentionConfig::new(1, 64, 1000, 576, 188, 99 * 1024).unwrap();
+    assert!(attention_shared_bytes(576, c.warps, c.hpw) <= 99 * 1024, "{c:?}");
+    assert!(attention_shared_bytes(576, 1, 8) <= 99 * 1024);
+    assert!(attention_shared_bytes(576, 2, 8) > 99 * 1024);
+    for rows in [1, 2, 8, 32, 128] {
+        for ctx in [1, 31, 1024, 8192] {
+            let c = AttentionConfig::new(rows, 64, ctx, 576, 188, 99 * 1024).unwrap();
+            assert!(attention_shared_bytes(576, c.warps, c.hpw) <= 99 * 1024, "{c:?}");
+            assert!(c.splits * c.chunk >= ctx && c.chunk.is_multiple_of(32), "{c:?}");
+        }
+    }
+    // A prefill chunk of 1024 rows needs no split.
+    assert_eq!(AttentionConfig::new(1024, 64, 1024, 576, 132, 227 * 1024).unwrap().splits, 1);
+}
+
+#[test]
+fn variants_cover_every_shape_new_picks() {
+    // H200 and SM120 shared memory, Kimi's 64 heads and a tensor-parallel rank's 32, 16 and 8, the tiny model's 4.
+    for (sms, smem) in [(132, 227 * 1024), (188, 99 * 1024)] {
+        for heads in [64, 32, 16, 8, 4] {
+            let variants = AttentionConfig::variants(heads, 576, smem);
+            assert!(!variants.is_empty() && variants.len() <= 4, "{heads} heads: {variants:?}");
+            for rows in [1, 2, 3, 4, 8, 16, 17, 33, 64, 128, 256, 2048] {
+                for len in [1, 31, 64, 500, 1024, 4096, 8192, 65536] {
+                    let c = AttentionConfig::new(rows, heads, len, 576, sms, smem).unwrap();
+                    assert!(
+                        variants.iter().any(|v| (v.warps, v.hpw) == (c.warps, c.hpw)),
+                        "{heads} heads, {rows} rows over {len}: {c:?} not in {variants:?}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(AttentionConfig::variants(0, 576, 227 * 1024).is_empty());
+}
