@@ -90,12 +90,15 @@ impl<B: Backend> DeviceRouter<B> {
     }
 }
 
-/// One MoE block's routed experts in the kernel layout (see the module docs).
+/// One MoE block's routed experts in the kernel layout (see the module docs): where `shape.tiled()` (Kimi-K2's
+/// shapes), each matrix's words and scales are in the tiled order of `eyrie_quant::cuda::KernelLayout`, made here
+/// on the device by a permutation; [`FusedExperts::expert`] permutes an expert back for the per-expert path.
 #[derive(Debug, Clone)]
 pub struct FusedExperts<B: Backend> {
     /// Sizes.
     pub shape: MoeShape,
-    /// `[E * 2 * inter, hidden / 8]` packed words (i32 bits), per expert its `gate_proj` rows then `up_proj` rows.
+    /// `[E * 2 * inter, hidden / 8]` packed words (i32 bits), per expert its `gate_proj` rows then `up_proj` rows
+    /// (tiled where `shape.tiled()`, as all four buffers).
     pub w13: Tensor<B, 2, Int>,
     /// `[E * 2 * inter, hidden / group]` BF16 scales.
     pub s13: Tensor<B, 2>,
@@ -132,16 +135,13 @@ impl<B: Backend> FusedExperts<B> {
             w2.push(down.packed);
             s2.push(down.scales);
         }
-        Some(
-            Self {
-                shape,
-                w13: Tensor::cat(w13, 0),
-                s13: Tensor::cat(s13, 0).cast(FloatDType::BF16),
-                w2: Tensor::cat(w2, 0),
-                s2: Tensor::cat(s2, 0).cast(FloatDType::BF16),
-            }
-            .contiguous(),
-        )
+        let (mut w13, mut s13) = (Tensor::cat(w13, 0), Tensor::cat(s13, 0).cast(FloatDType::BF16));
+        let (mut w2, mut s2) = (Tensor::cat(w2, 0), Tensor::cat(s2, 0).cast(FloatDType::BF16));
+        if shape.tiled() {
+            (w13, s13) = (tile_words(w13, shape.hidden), tile_scales(s13));
+            (w2, s2) = (tile_words(w2, shape.inter), tile_scales(s2));
+        }
+        Some(Self { shape, w13, s13, w2, s2 }.contiguous())
     }
 
     /// The buffers laid out densely once, here, so that no step copies them (the kernel reads dense buffers; a
@@ -180,9 +180,14 @@ impl<B: Backend> FusedExperts<B> {
     pub fn expert(&self, e: usize) -> Expert<B> {
         let s = self.shape;
         let part = |w: &Tensor<B, 2, Int>, sc: &Tensor<B, 2>, row: usize, out: usize, inp: usize| {
+            let (mut packed, mut scales) = (w.clone().narrow(0, row, out), sc.clone().narrow(0, row, out));
+            if s.tiled() {
+                // A matrix's rows are whole tiles (`row` and `out` are multiples of 128).
+                (packed, scales) = (untile_words(packed, inp), untile_scales(scales));
+            }
             StoredLinear::Int4(Box::new(Int4Tensors {
-                packed: w.clone().narrow(0, row, out),
-                scales: sc.clone().narrow(0, row, out).cast(FloatDType::F32),
+                packed,
+                scales: scales.cast(FloatDType::F32),
                 zero_points: None,
                 shape: [out, inp],
                 group_size: s.group,
@@ -233,6 +238,33 @@ impl<B: Backend> FusedExperts<B> {
         let _ = (x, logits, router, plus);
         None
     }
+}
+
+/// Row-major packed words `[rows, k / 8]` (rows a multiple of 16, `k` of 128) in the kernels' tiled layout
+/// (`eyrie_quant::cuda::experts::tiled_vector`): row `16 T + 8 h + g`, word `16 i + 4 c + w` goes to
+/// `(((T nblk + i) 2 + h) 32 + 4 g + c) 4 + w`, i.e. the axes `[T, h, g, i, c, w]` in the order `[T, i, h, g, c, w]`.
+pub(crate) fn tile_words<B: Backend>(w: Tensor<B, 2, Int>, k: usize) -> Tensor<B, 2, Int> {
+    let [rows, kw] = w.dims();
+    w.reshape([rows / 16, 2, 8, k / 128, 4, 4]).permute([0, 3, 1, 2, 4, 5]).reshape([rows, kw])
+}
+
+/// The inverse of [`tile_words`].
+pub(crate) fn untile_words<B: Backend>(w: Tensor<B, 2, Int>, k: usize) -> Tensor<B, 2, Int> {
+    let [rows, kw] = w.dims();
+    w.reshape([rows / 16, k / 128, 2, 8, 4, 4]).permute([0, 2, 3, 1, 4, 5]).reshape([rows, kw])
+}
+
+/// Row-major scales `[rows, ng]` in the tiled layout (`eyrie_quant::cuda::experts::tiled_scale`: `[T, group, row
+/// % 16]`).
+pub(crate) fn tile_scales<B: Backend>(s: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [rows, ng] = s.dims();
+    s.reshape([rows / 16, 16, ng]).swap_dims(1, 2).reshape([rows, ng])
+}
+
+/// The inverse of [`tile_scales`].
+pub(crate) fn untile_scales<B: Backend>(s: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [rows, ng] = s.dims();
+    s.reshape([rows / 16, ng, 16]).swap_dims(1, 2).reshape([rows, ng])
 }
 
 /// Each selected expert once, on exactly its rows (gather, SwiGLU, scale by the weight, scatter-add), as
@@ -383,5 +415,84 @@ mod kernel {
                 Tensor::<B, 2>::zeros([n, d], &device).select_assign(0, idx, out, burn::tensor::IndexingUpdateOp::Add)
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Flex;
+    use burn::tensor::{Int, Tensor, TensorData};
+    use eyrie_quant::Dtype;
+    use eyrie_quant::burn::Int4Tensors;
+    use eyrie_quant::cuda::SplitMix64;
+    use eyrie_quant::cuda::experts::{tile_scales, tile_words};
+
+    use super::FusedExperts;
+    use crate::linear::StoredLinear;
+    use crate::mlp::Expert;
+
+    fn int4(rng: &mut SplitMix64, out: usize, inp: usize) -> StoredLinear<Flex> {
+        let device = Default::default();
+        let words: Vec<i32> = (0..out * inp / 8).map(|_| rng.next_u64() as u32 as i32).collect();
+        // Distinct BF16 scales, so a misplaced scale shows.
+        let scales: Vec<f32> =
+            (0..out * inp / 32).map(|_| half::bf16::from_f32(0.01 + rng.next_f32()).to_f32()).collect();
+        StoredLinear::Int4(Box::new(Int4Tensors {
+            packed: Tensor::<Flex, 2, Int>::from_data(TensorData::new(words, [out, inp / 8]), &device),
+            scales: Tensor::from_data(TensorData::new(scales, [out, inp / 32]), &device),
+            zero_points: None,
+            shape: [out, inp],
+            group_size: 32,
+            scale_dtype: Dtype::BF16,
+        }))
+    }
+
+    fn parts(l: &StoredLinear<Flex>) -> (Vec<u32>, Vec<f32>) {
+        let StoredLinear::Int4(w) = l else { panic!("an INT4 linear") };
+        let words = w.packed.clone().into_data().iter::<i64>().map(|v| v as u32).collect();
+        (words, w.scales.clone().into_data().iter::<f32>().collect())
+    }
+
+    /// The device permutation (burn ops) puts every word and scale where eyrie-quant's kernels look for them
+    /// (`tile_words` / `tile_scales`, whose index algebra eyrie-quant's tests pin to the kernels' loads), and
+    /// `expert` gives back each expert's checkpoint tensors exactly.
+    #[test]
+    fn tiled_layout_matches_the_kernels_and_round_trips() {
+        let (hidden, inter) = (256, 128);
+        let mut rng = SplitMix64::new(5);
+        let experts: Vec<Expert<Flex>> = (0..2)
+            .map(|_| Expert {
+                gate_proj: int4(&mut rng, inter, hidden),
+                up_proj: int4(&mut rng, inter, hidden),
+                down_proj: int4(&mut rng, hidden, inter),
+            })
+            .collect();
+        let f = FusedExperts::from_experts(&experts).expect("INT4 experts with BF16 scales fuse");
+        assert!(f.shape.tiled());
+        let (mut w13, mut s13, mut w2, mut s2) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let push = |w: &mut Vec<u32>, s: &mut Vec<half::bf16>, l: &StoredLinear<Flex>| {
+            let (words, scales) = parts(l);
+            w.extend(words);
+            s.extend(scales.into_iter().map(half::bf16::from_f32));
+        };
+        for e in &experts {
+            push(&mut w13, &mut s13, &e.gate_proj);
+            push(&mut w13, &mut s13, &e.up_proj);
+            push(&mut w2, &mut s2, &e.down_proj);
+        }
+        let got_words =
+            |t: &Tensor<Flex, 2, Int>| t.clone().into_data().iter::<i64>().map(|v| v as u32).collect::<Vec<_>>();
+        let got_scales =
+            |t: &Tensor<Flex, 2>| t.clone().into_data().iter::<f32>().map(half::bf16::from_f32).collect::<Vec<_>>();
+        assert_eq!(got_words(&f.w13), tile_words(&w13, hidden));
+        assert_eq!(got_words(&f.w2), tile_words(&w2, inter));
+        assert_eq!(got_scales(&f.s13), tile_scales(&s13, hidden / 32));
+        assert_eq!(got_scales(&f.s2), tile_scales(&s2, inter / 32));
+        for (e, want) in experts.iter().enumerate() {
+            let got = f.expert(e);
+            assert_eq!(parts(&got.gate_proj), parts(&want.gate_proj), "expert {e} gate");
+            assert_eq!(parts(&got.up_proj), parts(&want.up_proj), "expert {e} up");
+            assert_eq!(parts(&got.down_proj), parts(&want.down_proj), "expert {e} down");
+        }
     }
 }

@@ -171,18 +171,18 @@ fn run_checks(client: &ComputeClient<R>, kimi: &MoeExperts, gpu_kimi: &GpuExpert
     let gpu = GpuExperts::upload(client, &ex.kernel_layout());
     report(wide, 512, TOPK, check_case(client, &ex, &gpu, 512, TOPK, 300, &MoeConfig::for_tokens(512).cuda_cores())?);
 
-    // The tensor-core path (`moe_mma`): every candidate launch shape at least once (5 candidates: indices 0, 3, 1,
-    // 4, 2 for Kimi's widths, 0, 3, 1, 4 for the other shapes, 4 for the wide one), the same shapes and widths.
+    // The tensor-core path (`moe_mma`): every candidate launch shape at least once (6 candidates: indices 0..4 for
+    // Kimi's widths, 5, 0, 1, 2 for the other shapes, 5 for the wide one), the same shapes and widths.
     println!("tensor-core expert kernels (moe_mma):");
     let cands = MmaShape::candidates();
     for (i, m) in [1usize, 8, 32, 128, 64].into_iter().enumerate() {
-        let cfg = MoeConfig { mma: Some(cands[(3 * i) % cands.len()]), ..MoeConfig::for_tokens(m) };
+        let cfg = MoeConfig { mma: Some(cands[i % cands.len()]), ..MoeConfig::for_tokens(m) };
         report(KIMI, m, TOPK, check_case(client, kimi, gpu_kimi, m, TOPK, 400 + i as u64, &cfg)?);
     }
     for (i, (shape, m, topk)) in others.into_iter().enumerate() {
         let ex = MoeExperts::random(shape, 7 + i as u64)?;
         let gpu = GpuExperts::upload(client, &ex.kernel_layout());
-        let cfg = MoeConfig { mma: Some(cands[(3 * i + 5) % cands.len()]), ..MoeConfig::default() };
+        let cfg = MoeConfig { mma: Some(cands[(i + 5) % cands.len()]), ..MoeConfig::default() };
         report(shape, m, topk, check_case(client, &ex, &gpu, m, topk, 500 + i as u64, &cfg)?);
     }
     let cfg = MoeConfig { mma: Some(cands[cands.len() - 1]), ..MoeConfig::for_tokens(512) };

@@ -282,12 +282,12 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                 KernelSpec::ExpertRows { act, spec: s } => json!({
                     "act": act.name(), "k": s.k, "rows": s.rows, "rows_at_once": s.rows_at_once, "group": s.group,
                     "topk": s.topk, "tb": s.tb, "rows_per_warp": s.rows_per_warp, "warps": s.warps,
-                    "gated": s.gated, "by_token": s.by_token, "prefetch": s.prefetch,
+                    "gated": s.gated, "by_token": s.by_token, "prefetch": s.prefetch, "tiled": s.tiled,
                     "address": format!("{:?}", s.address),
                 }),
                 KernelSpec::ExpertMma { spec: s } => json!({
                     "k": s.k, "rows": s.rows, "group": s.group, "topk": s.topk, "tb": s.tb, "tiles": s.tiles,
-                    "tasks": s.tasks, "ksplit": s.ksplit, "gated": s.gated, "by_token": s.by_token,
+                    "tasks": s.tasks, "ksplit": s.ksplit, "gated": s.gated, "by_token": s.by_token, "tiled": s.tiled,
                     "address": format!("{:?}", s.address),
                 }),
                 KernelSpec::SplitX3 { act, k } => json!({"act": act.name(), "k": k}),

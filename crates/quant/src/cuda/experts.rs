@@ -40,6 +40,15 @@ impl MoeShape {
         }
     }
 
+    /// Whether the kernels take this layer's experts in the tiled layout ([`tile_words`]): both widths multiples
+    /// of 128 (a tile's column block is 128 wide; the rows, `2 inter` and `hidden`, are then multiples of 16).
+    /// Decided by the shape alone, so the layout a caller builds and the one the kernels read always agree.
+    /// `EYRIE_MOE_TILED=0` (read once a process) keeps every shape row-major: the same binary then measures both
+    /// layouts (`gpu_kernels bench`), and a device where the tiled order were slower can opt out.
+    pub fn tiled(&self) -> bool {
+        tiled_layout_allowed() && self.hidden.is_multiple_of(128) && self.inter.is_multiple_of(128)
+    }
+
     /// Bytes of one expert's packed weights and BF16 scales (gate, up and down).
     pub fn expert_bytes(&self) -> usize {
         let params = 3 * self.hidden * self.inter;
@@ -189,17 +198,82 @@ impl MoeExperts {
                 w2.copy_from_slice(self.down[e].packed());
                 to_bf16(s2, self.down[e].scales());
             });
+        if s.tiled() {
+            let (ng13, ng2) = (s.hidden / s.group, s.inter / s.group);
+            return KernelLayout {
+                shape: s,
+                w13: tile_words(&w13, s.hidden),
+                s13: tile_scales(&s13, ng13),
+                w2: tile_words(&w2, s.inter),
+                s2: tile_scales(&s2, ng2),
+            };
+        }
         KernelLayout { shape: s, w13, s13, w2, s2 }
     }
 }
 
+/// Whether the tiled layout may be used: not when `EYRIE_MOE_TILED=0` (any other value, or none: yes).
+fn tiled_layout_allowed() -> bool {
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("EYRIE_MOE_TILED").as_deref() != Ok("0"))
+}
+
+/// Index, in 16-byte vectors, of vector `v` (columns `32 v .. 32 v + 32`) of row `row` of a `[rows, k]` INT4
+/// matrix in the tiled layout: per 16-row tile `T = row / 16`, per 128-column block `i = v / 4`, the 64 vectors
+/// of the block are stored as `[h][g][c]` with `row % 16 = g + 8 h` and `v % 4 = c`.
+///
+/// Why: the tensor-core kernel's lane `(g, c)` loads vector `4 i + c` of rows `g` and `g + 8` of its tile; in the
+/// checkpoint's row-major order one load instruction then reads 8 rows x 64 bytes, in this order 512 contiguous
+/// bytes. Read alone, with the kernel's warps, 8 experts' gate/up weights stream at 64.6% of the copy bandwidth
+/// row-major and 70.5% tiled (80.7% against 67.9% with 8-warp blocks; `scripts/moe_load_pattern.py`,
+/// bench/REPORT.md session 15). `k` a multiple of 128, `row` any row of a matrix of a multiple of 16 rows.
+pub fn tiled_vector(row: usize, v: usize, k: usize) -> usize {
+    let nblk = k / 128;
+    ((row / 16 * nblk + v / 4) * 2 + (row % 16) / 8) * 32 + (row % 8) * 4 + v % 4
+}
+
+/// Index of the scale of group `gi` of row `row` in the tiled layout (`[T][group][row % 16]`, `ng` groups a
+/// row): a tile's 16 rows' scales of one group are 32 contiguous bytes.
+pub fn tiled_scale(row: usize, gi: usize, ng: usize) -> usize {
+    (row / 16 * ng + gi) * 16 + row % 16
+}
+
+/// Row-major packed words `[rows, k / 8]` (rows a multiple of 16, `k` a multiple of 128) in the tiled layout
+/// ([`tiled_vector`]; the 4 words of a vector stay in order).
+pub fn tile_words(words: &[u32], k: usize) -> Vec<u32> {
+    let kv = k / 32;
+    let rows = words.len() / (k / 8);
+    let mut out = vec![0u32; words.len()];
+    for row in 0..rows {
+        for v in 0..kv {
+            let at = tiled_vector(row, v, k) * 4;
+            out[at..at + 4].copy_from_slice(&words[(row * kv + v) * 4..(row * kv + v) * 4 + 4]);
+        }
+    }
+    out
+}
+
+/// Row-major scales `[rows, ng]` (rows a multiple of 16) in the tiled layout ([`tiled_scale`]).
+pub fn tile_scales(scales: &[bf16], ng: usize) -> Vec<bf16> {
+    let rows = scales.len() / ng;
+    let mut out = vec![bf16::ZERO; scales.len()];
+    for row in 0..rows {
+        for gi in 0..ng {
+            out[tiled_scale(row, gi, ng)] = scales[row * ng + gi];
+        }
+    }
+    out
+}
+
 /// The experts as the kernels read them, built once at load time from the checkpoint tensors.
 ///
-/// The only repacking is concatenation: per expert, `gate_proj` rows then `up_proj` rows (`w13`, `[E, 2*inter,
-/// hidden/8]`), and `down_proj` (`w2`, `[E, hidden, inter/8]`), each row keeping the compressed-tensors word order
-/// (8 nibbles per word, LSB first, offset-binary `q + 8`). A row is then contiguous, so one 16-byte load reads 32
-/// consecutive columns (one group of 32, or part of a larger group) and a warp's loads are fully coalesced.
-/// Scales stay BF16 (`s13`: `[E, 2*inter, hidden/group]`, `s2`: `[E, hidden, inter/group]`).
+/// Per expert, `gate_proj` rows then `up_proj` rows (`w13`, `[E, 2*inter, hidden/8]`), and `down_proj` (`w2`,
+/// `[E, hidden, inter/8]`), each 16-byte vector keeping the compressed-tensors word order (8 nibbles per word, LSB
+/// first, offset-binary `q + 8`: one vector is 32 consecutive columns, one group of 32 or part of a larger
+/// group). Scales stay BF16 (`s13`: `[E, 2*inter, hidden/group]`, `s2`: `[E, hidden, inter/group]`). Where
+/// [`MoeShape::tiled`] holds (Kimi-K2's shapes) the vectors and scales of each matrix are in the tiled order
+/// ([`tiled_vector`], [`tiled_scale`]; an expert's tiles stay contiguous, so experts still slice by rows);
+/// otherwise rows are row-major, as the checkpoint stores them.
 #[derive(Debug, Clone)]
 pub struct KernelLayout {
     /// Sizes.
@@ -378,5 +452,67 @@ mod tests {
         assert_eq!(&l.w2[half..], ex.down(1).packed());
         assert_eq!(l.s2[64 * 32 / 32].to_f32(), ex.down(1).scales()[0]);
         assert!(MoeShape { hidden: 48, inter: 32, experts: 1, group: 32 }.validate().is_err());
+    }
+
+    #[test]
+    fn tiled_layout_is_a_permutation_and_a_warp_load_is_contiguous() {
+        let (k, rows) = (256, 48);
+        let (kv, nblk) = (k / 32, k / 128);
+        // Every (row, vector) has its own slot.
+        let mut hit = vec![false; rows * kv];
+        for row in 0..rows {
+            for v in 0..kv {
+                let at = tiled_vector(row, v, k);
+                assert!(!hit[at], "row {row} vector {v} collides");
+                hit[at] = true;
+            }
+        }
+        // The tensor-core kernel's load of block i, row half h of tile T: lane (g, c) reads vector 4 i + c of row
+        // 16 T + g + 8 h, and the 32 lanes read 32 consecutive vectors (512 bytes), in lane order.
+        for tile in 0..rows / 16 {
+            for i in 0..nblk {
+                for h in 0..2 {
+                    let first = tiled_vector(16 * tile + 8 * h, 4 * i, k);
+                    for lane in 0..32 {
+                        let (g, c) = (lane / 4, lane % 4);
+                        assert_eq!(tiled_vector(16 * tile + g + 8 * h, 4 * i + c, k), first + lane);
+                    }
+                }
+            }
+        }
+        // tile_words moves each vector's 4 words together; tile_scales likewise each scale.
+        let words: Vec<u32> = (0..(rows * k / 8) as u32).collect();
+        let tiled = tile_words(&words, k);
+        let ng = k / 64;
+        let scales: Vec<bf16> = (0..rows * ng).map(|i| bf16::from_f32(i as f32)).collect();
+        let tiled_s = tile_scales(&scales, ng);
+        for row in 0..rows {
+            for v in 0..kv {
+                let at = tiled_vector(row, v, k) * 4;
+                assert_eq!(&tiled[at..at + 4], &words[(row * kv + v) * 4..(row * kv + v) * 4 + 4]);
+            }
+            for gi in 0..ng {
+                assert_eq!(tiled_s[tiled_scale(row, gi, ng)], scales[row * ng + gi]);
+            }
+        }
+    }
+
+    #[test]
+    fn kernel_layout_tiles_kimi_like_shapes() {
+        let shape = MoeShape { hidden: 256, inter: 128, experts: 2, group: 32 };
+        assert!(shape.tiled());
+        let ex = MoeExperts::random(shape, 11).unwrap();
+        let l = ex.kernel_layout();
+        // Expert 1's down row 5, vector 3 and its scale, where the kernel looks for them.
+        let (kv, ng) = (shape.inter / 32, shape.inter / 32);
+        let row = shape.hidden + 5;
+        let at = tiled_vector(row, 3, shape.inter) * 4;
+        assert_eq!(&l.w2[at..at + 4], &ex.down(1).packed()[(5 * kv + 3) * 4..(5 * kv + 3) * 4 + 4]);
+        assert_eq!(l.s2[tiled_scale(row, 3, ng)].to_f32(), ex.down(1).scales()[5 * ng + 3]);
+        // Expert 1's up row 7 (gate rows first), vector 6.
+        let (kv, row) = (shape.hidden / 32, 2 * shape.inter + shape.inter + 7);
+        let at = tiled_vector(row, 6, shape.hidden) * 4;
+        assert_eq!(&l.w13[at..at + 4], &ex.up(1).packed()[(7 * kv + 6) * 4..(7 * kv + 6) * 4 + 4]);
+        assert!(!MoeShape { hidden: 384, inter: 32, experts: 1, group: 32 }.tiled());
     }
 }

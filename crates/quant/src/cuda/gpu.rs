@@ -62,7 +62,7 @@ impl MmaShape {
     pub fn candidates() -> Vec<Self> {
         let m =
             |tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2| Self { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2 };
-        vec![m(4, 2, 2, 4, 2), m(2, 4, 1, 8, 1), m(4, 1, 2, 4, 1), m(8, 1, 1, 8, 2), m(2, 2, 2, 2, 2)]
+        vec![m(4, 2, 2, 4, 2), m(2, 4, 1, 8, 1), m(4, 1, 2, 4, 1), m(8, 1, 1, 8, 2), m(2, 2, 2, 2, 2), m(4, 3, 2, 4, 3)]
     }
 }
 
@@ -92,9 +92,12 @@ impl MoeConfig {
         let mma = |tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2| {
             Some(MmaShape { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2 })
         };
+        // The tensor-core shapes as measured with the tiled layout (session 15, bench/REPORT.md): 1 token 85.4 us
+        // with 12 warps a block (4 tasks x k-split 3) against 89.6-116.3 for the others; 8 tokens 463 us with
+        // (2, 2) against 477-538; 128 tokens 3440 us with k-split 1 against 3727-4130.
         match m {
-            0 | 1 => Self { warps: 16, rows_per_warp_13: 1, rows_per_warp_2: 1, mma: mma(2, 2, 2, 2, 2), ..d },
-            2..=16 => Self { mma: mma(2, 4, 1, 8, 1), ..d },
+            0 | 1 => Self { warps: 16, rows_per_warp_13: 1, rows_per_warp_2: 1, mma: mma(4, 3, 2, 4, 3), ..d },
+            2..=16 => Self { mma: mma(2, 2, 2, 2, 2), ..d },
             17..=64 => Self { rows_per_warp_2: 4, rows_at_once_2: 2, mma: mma(4, 2, 2, 4, 2), ..d },
             // Tensor cores: 8 tokens a pass of the 3+-token experts up to 512 tokens, 16 above (prefill chunks): at
             // 8192 tokens 288 -> 140 -> 116 ms for 2 -> 8 -> 16 a pass, at 256 tokens 6.4 (4) / 6.6 (8) / 7.5 (16)
@@ -104,7 +107,7 @@ impl MoeConfig {
                 rows_at_once_2: 2,
                 max_tb: 2,
                 prefetch: true,
-                mma: mma(4, 2, 2, 4, 2),
+                mma: mma(4, 1, 2, 4, 1),
                 mma_tb: 8,
                 ..d
             },
@@ -181,7 +184,7 @@ impl<R: Runtime> GpuExperts<R> {
 
     /// Wraps buffers already on the device that hold the [`KernelLayout`] of `shape`: `w13` `[E, 2*inter,
     /// hidden/8]` and `w2` `[E, hidden, inter/8]` packed words (u32 or the same bits as i32), `s13` / `s2` their
-    /// BF16 scales. A model that keeps its experts on the device builds these there (concatenation and a cast)
+    /// BF16 scales, all four in the tiled order where [`MoeShape::tiled`] holds (the kernels read them so). A model that keeps its experts on the device builds these there (concatenation and a cast)
     /// instead of uploading a host layout. Errors name the buffer whose size does not match `shape`.
     pub fn from_handles(shape: MoeShape, w13: Handle, s13: Handle, w2: Handle, s2: Handle) -> crate::Result<Self> {
         shape.validate()?;
@@ -474,6 +477,7 @@ fn moe_forward_inner<R: Runtime, A: Float>(
                     k.gated,
                     k.by_token,
                     k.prefetch,
+                    k.tiled,
                 );
             }
         }
@@ -512,6 +516,7 @@ fn moe_forward_inner<R: Runtime, A: Float>(
                 k.gated,
                 k.by_token,
                 k.prefetch,
+                k.tiled,
             );
         }
     }
@@ -599,6 +604,7 @@ fn mma_experts<R: Runtime, A: Float>(
                 spec.ksplit,
                 spec.gated,
                 spec.by_token,
+                spec.tiled,
             );
         }
     };

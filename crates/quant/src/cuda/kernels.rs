@@ -35,6 +35,29 @@ pub(super) fn weight_pair(word: u32, scale: Vector<bf16, Const<2>>, #[comptime] 
     (biased - offset) * scale
 }
 
+/// A BF16 scale as the packed pair a weight pair is multiplied by.
+#[cube]
+pub(super) fn scale_pair(s: bf16) -> Vector<bf16, Const<2>> {
+    let mut s2 = Vector::<bf16, Const<2>>::empty();
+    s2[0] = s;
+    s2[1] = s;
+    s2
+}
+
+/// [`super::experts::tiled_vector`] on the device: the 16-byte vector `v` of row `row` (of all experts' rows) in
+/// the tiled layout of a `k`-wide matrix.
+#[cube]
+pub(super) fn tiled_vector(row: usize, v: usize, #[comptime] k: usize) -> usize {
+    let nblk = comptime!(k / 128);
+    ((row / 16 * nblk + v / 4) * 2 + (row % 16) / 8) * 32 + (row % 8) * 4 + v % 4
+}
+
+/// [`super::experts::tiled_scale`] on the device: the scale of group `gi` of row `row` (`ng` groups a row).
+#[cube]
+pub(super) fn tiled_scale(row: usize, gi: usize, #[comptime] ng: usize) -> usize {
+    (row / 16 * ng + gi) * 16 + row % 16
+}
+
 /// Loads this lane's share of `nr` rows (`row0 + q * stride`): 16-byte weight vectors `lane + 32 i` and their
 /// scales; vectors past the row's end read as zero words with scale 0.
 #[cube]
@@ -50,6 +73,7 @@ fn load_rows<N: Size>(
     #[comptime] group: usize,
     #[comptime] stride: usize,
     #[comptime] nr: usize,
+    #[comptime] tiled: bool,
 ) {
     let kv = comptime!(k / 32);
     let per_lane = comptime!(k.div_ceil(1024));
@@ -61,12 +85,13 @@ fn load_rows<N: Size>(
         for i in 0..per_lane {
             let v = lane + 32 * i;
             if v < kv {
-                wv[q * per_lane + i] = words[row * kv + v];
-                let s = scales[row * ng + v * 32 / group];
-                let mut s2 = Vector::<bf16, Const<2>>::empty();
-                s2[0] = s;
-                s2[1] = s;
-                sc[q * per_lane + i] = s2;
+                if tiled {
+                    wv[q * per_lane + i] = words[tiled_vector(row, v, k)];
+                    sc[q * per_lane + i] = scale_pair(scales[tiled_scale(row, v * 32 / group, ng)]);
+                } else {
+                    wv[q * per_lane + i] = words[row * kv + v];
+                    sc[q * per_lane + i] = scale_pair(scales[row * ng + v * 32 / group]);
+                }
             } else {
                 let mut z = Vector::<u32, N>::empty();
                 z[0] = u32::new(0);
@@ -121,6 +146,7 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
     #[comptime] gated: bool,
     #[comptime] by_token: bool,
     #[comptime] prefetch: bool,
+    #[comptime] tiled: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -157,7 +183,19 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
                 if j_first < stride {
                     // The first rows' weights do not depend on the activations: start their loads now, so their
                     // latency overlaps the staging below.
-                    load_rows::<N>(words, scales, &mut wv, &mut sc, e * rows + j_first, lane, k, group, stride, nr);
+                    load_rows::<N>(
+                        words,
+                        scales,
+                        &mut wv,
+                        &mut sc,
+                        e * rows + j_first,
+                        lane,
+                        k,
+                        group,
+                        stride,
+                        nr,
+                        tiled,
+                    );
                 }
             }
 
@@ -200,7 +238,7 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
                         need = r > 0;
                     }
                     if need {
-                        load_rows::<N>(words, scales, &mut wv, &mut sc, row0, lane, k, group, stride, nr);
+                        load_rows::<N>(words, scales, &mut wv, &mut sc, row0, lane, k, group, stride, nr, tiled);
                     }
 
                     let mut acc = Array::<f32>::new(comptime!(rows_at_once * tb));

@@ -41,7 +41,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::kernels::weight_pair;
+use super::kernels::{scale_pair, weight_pair};
 
 /// Split-permuted activations for [`expert_mma_kernel`]: `out` `[rows, 3, k / 2]` words, word `j` of part `p` of
 /// row `r` = BF16 parts `p` of columns `(32 v + 8 w + q, 32 v + 8 w + q + 4)` (`j = 16 v + 4 w + q`), low half
@@ -95,6 +95,7 @@ fn load_block<N: Size>(
     #[comptime] tb: usize,
     #[comptime] tiles: usize,
     #[comptime] gated: bool,
+    #[comptime] tiled: bool,
 ) {
     let kv = comptime!(k / 32);
     let ng = comptime!(k / group);
@@ -105,17 +106,23 @@ fn load_block<N: Size>(
     for mt in 0..mtiles {
         #[unroll]
         for h in 0..2usize {
-            let mut r = j0 + 16 * mt + g + 8 * h;
+            // The tile's first row within the expert (a multiple of 16), and the lane's row.
+            let mut t0 = j0 + 16 * mt;
             if gated {
-                r = j0 + mt * task_rows + g + 8 * h;
+                t0 = j0 + mt * task_rows;
             }
-            let row = e * rows + r;
-            wa[2 * mt + h] = words[row * kv + v];
-            let s = scales[row * ng + v * 32 / group];
-            let mut s2 = Vector::<bf16, Const<2>>::empty();
-            s2[0] = s;
-            s2[1] = s;
-            sa[2 * mt + h] = s2;
+            let row = e * rows + t0 + g + 8 * h;
+            if tiled {
+                // `tiled_vector` / `tiled_scale` of `row`, written with what the lane knows: `row % 16 = g + 8 h`
+                // and `v = 4 i + c` (shifts and masks, no divisions).
+                let tile = e * comptime!(rows / 16) + t0 / 16;
+                let at = ((tile * comptime!(k / 128) + v / 4) * 2 + h) * 32 + g * 4 + v % 4;
+                wa[2 * mt + h] = words[at];
+                sa[2 * mt + h] = scale_pair(scales[(tile * ng + v * 32 / group) * 16 + g + 8 * h]);
+            } else {
+                wa[2 * mt + h] = words[row * kv + v];
+                sa[2 * mt + h] = scale_pair(scales[row * ng + v * 32 / group]);
+            }
         }
     }
     #[unroll]
@@ -244,6 +251,7 @@ pub fn expert_mma_kernel<N: Size>(
     #[comptime] ksplit: usize,
     #[comptime] gated: bool,
     #[comptime] by_token: bool,
+    #[comptime] tiled: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -335,6 +343,7 @@ pub fn expert_mma_kernel<N: Size>(
                     tb,
                     tiles,
                     gated,
+                    tiled,
                 );
                 let mut i = part;
                 while i < nblk {
@@ -361,6 +370,7 @@ pub fn expert_mma_kernel<N: Size>(
                         tb,
                         tiles,
                         gated,
+                        tiled,
                     );
 
                     // This block's 8 MMAs per (m tile, n tile), from a zero accumulator.
@@ -454,8 +464,9 @@ mod tests {
     //! Against the plain dot product of the checkpoint's weights (`bf16(q * scale)`) with `x`, in f64: the layout
     //! must pair every weight with its own column, each column once. (The GPU check, `examples/gpu_kernels.rs`,
     //! tests the kernel itself; this pins the index algebra both of its sides rely on.)
+    use crate::cuda::experts::{tiled_scale, tiled_vector};
     use crate::cuda::gemm::{bf16_value, split_bf16x3};
-    use crate::cuda::{MoeExperts, MoeShape, SplitMix64};
+    use crate::cuda::{KernelLayout, MoeExperts, MoeShape, SplitMix64};
 
     /// Columns `(lo, hi)` of word `j` of a row's split-permuted parts (`split_x3_kernel`).
     fn permuted_columns(j: usize) -> (usize, usize) {
@@ -463,10 +474,29 @@ mod tests {
         (col, col + 4)
     }
 
+    /// Word `w` of 16-byte vector `v` and the BF16 scale of column `col` of gate row `r` of expert 0, read
+    /// from the kernel layout the way the kernel reads it (tiled where the shape is).
+    fn layout_word_scale(l: &KernelLayout, r: usize, v: usize, w: usize, col: usize) -> (u32, f32) {
+        let (k, group) = (l.shape.hidden, l.shape.group);
+        let (ng, kv) = (k / group, k / 32);
+        if l.shape.tiled() {
+            (l.w13[tiled_vector(r, v, k) * 4 + w], l.s13[tiled_scale(r, col / group, ng)].to_f32())
+        } else {
+            (l.w13[(r * kv + v) * 4 + w], l.s13[r * ng + col / group].to_f32())
+        }
+    }
+
     #[test]
     fn lanes_pair_every_weight_with_its_own_column() {
-        let shape = MoeShape { hidden: 384, inter: 32, experts: 1, group: 32 };
+        // Row-major (inter 32 is not a multiple of 128) and tiled.
+        for (inter, group) in [(32, 32), (128, 32), (128, 64)] {
+            lanes_pair_columns(MoeShape { hidden: 384, inter, experts: 1, group });
+        }
+    }
+
+    fn lanes_pair_columns(shape: MoeShape) {
         let ex = MoeExperts::random(shape, 3).unwrap();
+        let layout = ex.kernel_layout();
         let w = ex.gate(0);
         let (rows, k) = (w.out_features(), w.in_features());
         let mut rng = SplitMix64::new(9);
@@ -484,11 +514,10 @@ mod tests {
                     .collect()
             })
             .collect();
-        let (words, scales, rw) = (w.packed(), w.scales(), w.packed_row_words());
-        let weight = |r: usize, word: u32, nibble: usize, col: usize| {
+        // bf16(q * scale): the product is exact in f32, then rounded to nearest even as compressed-tensors does.
+        let weight = |word: u32, nibble: usize, scale: f32| {
             let q = ((word >> (4 * nibble)) & 0xF) as i32 - 8;
-            // bf16(q * scale): the product is exact in f32, then rounded to nearest even as compressed-tensors does.
-            f64::from(half::bf16::from_f32(q as f32 * scales[r * (k / 32) + col / 32]).to_f32())
+            f64::from(half::bf16::from_f32(q as f32 * scale).to_f32())
         };
         for r in 0..rows {
             let mut seen = vec![0u32; k];
@@ -500,8 +529,8 @@ mod tests {
                         for reg in 0..2 {
                             // A: word t / 2 of vector v, nibble pair p (nibbles p and p + 4).
                             let p = 2 * (t % 2) + reg;
-                            let word = words[r * rw + 4 * v + t / 2];
                             let (a_lo, a_hi) = (32 * v + 8 * (t / 2) + p, 32 * v + 8 * (t / 2) + p + 4);
+                            let (word, scale) = layout_word_scale(&layout, r, v, t / 2, a_lo);
                             // B: word 2t + reg of the lane's 64 bytes (16 words) of vector v.
                             let j = 16 * v + 2 * t + reg;
                             assert_eq!(permuted_columns(j), (a_lo, a_hi), "row {r} block {i} lane {c} mma {t}");
@@ -509,8 +538,8 @@ mod tests {
                             seen[a_hi] += 1;
                             for part in &parts {
                                 let (b_lo, b_hi) = part[j];
-                                got += weight(r, word, p, a_lo) * f64::from(bf16_value(b_lo))
-                                    + weight(r, word, p + 4, a_hi) * f64::from(bf16_value(b_hi));
+                                got += weight(word, p, scale) * f64::from(bf16_value(b_lo))
+                                    + weight(word, p + 4, scale) * f64::from(bf16_value(b_hi));
                             }
                         }
                     }

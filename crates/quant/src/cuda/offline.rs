@@ -147,6 +147,7 @@ fn define_expert_rows(act_ty: Act, s: &ExpertRowsSpec, props: &DeviceProperties)
         s.gated,
         s.by_token,
         s.prefetch,
+        s.tiled,
     );
     let name = format!("expert_rows_kernel_f_{}_n_{VEC}", act_ty.name());
     b.build(KernelSettings::default().cube_dim(s.cube_dim()).address_type(s.address).kernel_name(name))
@@ -189,6 +190,7 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
         s.ksplit,
         s.gated,
         s.by_token,
+        s.tiled,
     );
     let name = format!("expert_mma_kernel_n_{VEC}");
     b.build(KernelSettings::default().cube_dim(s.cube_dim()).address_type(s.address).kernel_name(name))

@@ -64,6 +64,8 @@ pub struct ExpertRowsSpec {
     pub by_token: bool,
     /// Load the first rows before staging the activations.
     pub prefetch: bool,
+    /// The experts in the tiled layout ([`MoeShape::tiled`]).
+    pub tiled: bool,
     /// 32- or 64-bit indexing, from the largest buffer (the experts' packed words).
     pub address: AddressType,
 }
@@ -89,6 +91,7 @@ impl ExpertRowsSpec {
             gated: true,
             by_token: true,
             prefetch: cfg.prefetch,
+            tiled: s.tiled(),
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -107,6 +110,7 @@ impl ExpertRowsSpec {
             gated: false,
             by_token: false,
             prefetch: cfg.prefetch,
+            tiled: s.tiled(),
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -180,6 +184,8 @@ pub struct ExpertMmaSpec {
     pub gated: bool,
     /// Activation row `pair / topk` (the layer input) instead of `pair` (the intermediate).
     pub by_token: bool,
+    /// The experts in the tiled layout ([`MoeShape::tiled`]).
+    pub tiled: bool,
     /// 32- or 64-bit indexing.
     pub address: AddressType,
 }
@@ -198,6 +204,7 @@ impl ExpertMmaSpec {
             ksplit: m.ksplit_13,
             gated: true,
             by_token: true,
+            tiled: s.tiled(),
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -215,6 +222,7 @@ impl ExpertMmaSpec {
             ksplit: m.ksplit_2,
             gated: false,
             by_token: false,
+            tiled: s.tiled(),
             address: AddressType::from_len(experts_len(s)),
         }
     }
