@@ -6,6 +6,7 @@ mod generate;
 mod inspect;
 mod run_model;
 mod score;
+mod self_checks;
 mod serve;
 mod spec;
 

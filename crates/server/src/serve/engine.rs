@@ -38,6 +38,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::{EngineGauges, Metrics};
 use crate::run_model::to_host;
+use crate::self_checks::panic_message;
 
 // The warm-up and the device self-checks: `impl Engine` continued.
 #[path = "engine_warm_up.rs"]
@@ -764,14 +765,6 @@ impl<B: Backend> Engine<B> {
             block_size: pool.block_size(),
         });
     }
-}
-
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
 }
 
 /// Sends a speculative step's new tokens in order, stopping at the first stop condition (later tokens are dropped);

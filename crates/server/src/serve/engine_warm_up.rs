@@ -95,67 +95,13 @@ impl<B: Backend> Engine<B> {
         Ok(done)
     }
 
-    /// The device self-checks that turn on paths written without a GPU at hand (session 14): the MHA form of
-    /// prefill chunks' attention (`cuda_ops::check_mha_prefill`: against the absorbed form at this model's head
-    /// dimensions) and greedy picks on the device (`sampling::check_device_argmax`: against the host's argmax at
-    /// this vocabulary). Each is turned on only when its check passes on this device, and stays off otherwise (the
-    /// server still starts: the paths it would replace are the ones it runs anyway); a variable that sets a path
-    /// (`EYRIE_MHA_PREFILL_MIN_ROWS`, `EYRIE_DEVICE_ARGMAX`) wins over its check. A check that panics counts as
-    /// failed. Returns the startup log's words.
+    /// The device self-checks ([`crate::self_checks`]) that turn on the MHA form of prefill attention and greedy
+    /// picks on the device where they pass. Returns the startup log's words.
     #[cfg(feature = "cuda")]
     fn device_self_checks(&self) -> String {
-        use eyrie_model::cuda_ops::{
-            MHA_PREFILL_MIN_ROWS, MlaDims, check_mha_prefill, enable_mha_prefill, mha_prefill_env_set,
-            mha_prefill_min_rows,
-        };
-        use eyrie_model::sampling::{
-            check_device_argmax, device_argmax_enabled, device_argmax_env_set, enable_device_argmax,
-        };
         let c = self.target.config();
-        let dims = MlaDims {
-            heads: c.num_heads,
-            nope: c.qk_nope_head_dim,
-            rot: c.qk_rope_head_dim,
-            vd: c.v_head_dim,
-            r: c.kv_lora_rank,
-        };
-        let caught = |f: &dyn Fn() -> Result<String, String>| match catch_unwind(AssertUnwindSafe(f)) {
-            Ok(r) => r,
-            Err(panic) => Err(format!("panic: {}", panic_message(&*panic))),
-        };
-        let mha = if mha_prefill_env_set() {
-            match mha_prefill_min_rows() {
-                Some(rows) => {
-                    format!("MHA prefill attention on for chunks of {rows}+ rows (EYRIE_MHA_PREFILL_MIN_ROWS)")
-                }
-                None => "MHA prefill attention off (EYRIE_MHA_PREFILL_MIN_ROWS)".into(),
-            }
-        } else {
-            match caught(&|| check_mha_prefill::<B>(&self.device, dims).map(|e| format!("{e:.1e}"))) {
-                Ok(e) => {
-                    enable_mha_prefill(MHA_PREFILL_MIN_ROWS);
-                    format!(
-                        "MHA prefill attention checked against the absorbed form (difference {e}), on for chunks of \
-                         {MHA_PREFILL_MIN_ROWS}+ rows"
-                    )
-                }
-                Err(e) => format!("MHA prefill attention off ({e})"),
-            }
-        };
-        let argmax = if device_argmax_env_set() {
-            format!(
-                "greedy picks on the device {} (EYRIE_DEVICE_ARGMAX)",
-                if device_argmax_enabled() { "on" } else { "off" }
-            )
-        } else {
-            match caught(&|| check_device_argmax::<B>(&self.device, c.vocab_size).map(|()| String::new())) {
-                Ok(_) => {
-                    enable_device_argmax();
-                    "greedy picks on the device checked against the host's, on".into()
-                }
-                Err(e) => format!("greedy picks on the device off ({e})"),
-            }
-        };
+        let mha = crate::self_checks::mha_prefill::<B>(&self.device, c);
+        let argmax = crate::self_checks::device_argmax::<B>(&self.device, c.vocab_size);
         format!("device self-checks: {mha}; {argmax}")
     }
 
