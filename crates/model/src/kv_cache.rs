@@ -49,6 +49,7 @@ pub struct PagedMlaCache<B: Backend> {
     blocks: BlockPool,
     /// The current step's attention rows and new-token slots on the device (CUDA only): uploaded by the step's
     /// first layer, reused by the others.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     step: Option<StepMeta<B>>,
 }
 
@@ -57,6 +58,7 @@ pub struct PagedMlaCache<B: Backend> {
 /// are uploaded once a step instead of twice a layer (each upload is a task of its own on CubeCL's server thread).
 /// A cached entry is reused only when both are equal to the ones being asked for, so it can never be stale.
 #[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct StepMeta<B: Backend> {
     pub(crate) rows: eyrie_quant::cuda::attention::PagedRows,
     pub(crate) slots: Vec<u32>,
@@ -243,6 +245,7 @@ impl<B: Backend> PagedMlaCache<B> {
 
     /// The step's [`StepMeta`] for `spans` covering `rows` new rows, uploaded only when it differs from the last
     /// one asked for; `None` when the spans do not cover every row exactly once.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn step_meta(&mut self, spans: &[SeqSpan<'_>], rows: usize) -> Option<StepMeta<B>> {
         let paged = self.paged_rows(spans);
         let slots = self.span_slots(spans, rows)?;
