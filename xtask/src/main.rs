@@ -142,8 +142,16 @@ fn gpu_bundle(root: &Path) -> Result<()> {
     let bin = dir.join("eyrie");
     std::fs::copy(root.join("target/release/eyrie"), &bin).context("copying the release binary")?;
     run(Command::new("strip").arg(&bin))?;
-    if !dir.join("kimi_expert/model.safetensors").exists() {
-        run(Command::new("python3").arg("scripts/kimi_expert_checkpoint.py").arg(dir.join("kimi_expert")))?;
+    if !dir.join("kimi_expert/model.safetensors").exists()
+        && let Err(e) =
+            run(Command::new("python3").arg("scripts/kimi_expert_checkpoint.py").arg(dir.join("kimi_expert")))
+    {
+        // The checkpoint needs torch and compressed-tensors here; without it `gpu_check.py` skips only its
+        // Kimi-shaped dequantization check.
+        eprintln!(
+            "note: no Kimi-shaped expert checkpoint ({e:#}); `pip install torch compressed-tensors` and rerun to \
+             include it, or run `python3 scripts/kimi_expert_checkpoint.py .device/kimi_expert` on the device first"
+        );
     }
     eprintln!("ready: carry .device and run `python3 scripts/gpu_check.py` on the device machine");
     Ok(())
