@@ -662,6 +662,27 @@ fn main() -> Result<(), Error> {
         if !moe.fuse(false) || moe.device_router.is_none() {
             return Err("the test block was not fused with a device router".into());
         }
+        // The fused buffers as the kernels read them: made on the device by burn's reshape/permute (tiled, since
+        // 1024 and 256 are multiples of 128), bit for bit eyrie-quant's host layout of the same experts.
+        {
+            let (f, want) = (moe.fused.as_ref().ok_or("fused")?, ex.kernel_layout());
+            let words =
+                |t: &Tensor<B, 2, Int>| -> Vec<u32> { t.clone().into_data().iter::<i64>().map(|v| v as u32).collect() };
+            let bits = |t: &Tensor<B, 2>| -> Vec<u16> {
+                t.clone().into_data().iter::<f32>().map(|v| half::bf16::from_f32(v).to_bits()).collect()
+            };
+            let want_bits = |v: &[half::bf16]| -> Vec<u16> { v.iter().map(|b| b.to_bits()).collect() };
+            let ok = shape.tiled()
+                && words(&f.w13) == want.w13
+                && words(&f.w2) == want.w2
+                && bits(&f.s13) == want_bits(&want.s13)
+                && bits(&f.s2) == want_bits(&want.s2);
+            failed |= !ok;
+            println!(
+                "| fused experts' tiled layout made on the device == host layout | {d} x {inter}, {experts} experts | - | - | - | - | {ok} |"
+            );
+            rows.push(serde_json::json!({"op": "fused_experts_tiled_layout", "hidden": d, "inter": inter, "ok": ok}));
+        }
         for m in [1usize, 8, 100, 3000] {
             let x: Vec<f32> = (0..m * d).map(|_| (rng.next_f32() - 0.5) * 2.0).collect();
             let xt = Tensor::<B, 2>::from_data(TensorData::new(x, [m, d]), &device);
