@@ -62,7 +62,16 @@ impl MmaShape {
     pub fn candidates() -> Vec<Self> {
         let m =
             |tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2| Self { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2 };
-        vec![m(4, 2, 2, 4, 2), m(2, 4, 1, 8, 1), m(4, 1, 2, 4, 1), m(8, 1, 1, 8, 2), m(2, 2, 2, 2, 2), m(4, 3, 2, 4, 3)]
+        vec![
+            m(4, 2, 2, 4, 2),
+            m(2, 4, 1, 8, 1),
+            m(4, 1, 2, 4, 1),
+            m(8, 1, 1, 8, 2),
+            m(2, 2, 2, 2, 2),
+            m(4, 3, 2, 4, 3),
+            m(8, 3, 1, 1, 2),
+            m(1, 4, 2, 2, 2),
+        ]
     }
 }
 
@@ -92,11 +101,13 @@ impl MoeConfig {
         let mma = |tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2| {
             Some(MmaShape { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2 })
         };
-        // The tensor-core shapes as measured with the tiled layout (session 15, bench/REPORT.md): 1 token 85.4 us
-        // with 12 warps a block (4 tasks x k-split 3) against 89.6-116.3 for the others; 8 tokens 463 us with
-        // (2, 2) against 477-538; 128 tokens 3440 us with k-split 1 against 3727-4130.
+        // The tensor-core shapes as measured with the tiled layout (session 15, bench/REPORT.md): 8 tokens 463 us
+        // with (2, 2) against 477-538; 128 tokens 3440 us with k-split 1 against 3727-4130. One token, each stage's
+        // shapes swept alone (session 16, `gpu_kernels stages`): gate/up in 24-warp blocks (8 tasks x k-split 3),
+        // down in 2-warp blocks of one 16-row tile (its time is the same within 5% for every shape): the layer
+        // 86.1 -> 80.0 us against session 15's (4, 3, 2, 4, 3) in the same run.
         match m {
-            0 | 1 => Self { warps: 16, rows_per_warp_13: 1, rows_per_warp_2: 1, mma: mma(4, 3, 2, 4, 3), ..d },
+            0 | 1 => Self { warps: 16, rows_per_warp_13: 1, rows_per_warp_2: 1, mma: mma(8, 3, 1, 1, 2), ..d },
             2..=16 => Self { mma: mma(2, 2, 2, 2, 2), ..d },
             17..=64 => Self { rows_per_warp_2: 4, rows_at_once_2: 2, mma: mma(4, 2, 2, 4, 2), ..d },
             // Tensor cores: 8 tokens a pass of the 3+-token experts up to 512 tokens, 16 above (prefill chunks): at
@@ -425,14 +436,15 @@ fn moe_forward_inner<R: Runtime, A: Float>(
     }
     assert!(matches!(cfg.rows_at_once_2, 2 | 4) && matches!(cfg.max_tb, 1 | 2 | 4) && cfg.warps > 0);
     if let Some(mm) = cfg.mma
-        && mma_fits(&s, routing.topk, &mm, cfg)
+        && mma_fits(&s, routing.topk, &mm, cfg, client.properties().hardware.max_shared_memory_size)
     {
-        // The intermediate, the experts' outputs and the two BF16x3 splits (input, intermediate).
-        let [h, y, xs, hs] = scratch(
-            client,
-            [n_pairs * s.inter * 4, n_pairs * s.hidden * 4, routing.m * 3 * s.hidden * 2, n_pairs * 3 * s.inter * 2],
-        );
-        mma_experts::<R, A>(client, experts, x, routing, [&h, &y, &xs, &hs], cfg, &mm, stages);
+        // The intermediate (f32, only when the gate/up launch does not write its split), the experts' outputs
+        // and the two BF16x3 splits (input, intermediate).
+        let fused = fused_split();
+        let h_bytes = if fused { 4 } else { n_pairs * s.inter * 4 };
+        let [h, y, xs, hs] =
+            scratch(client, [h_bytes, n_pairs * s.hidden * 4, routing.m * 3 * s.hidden * 2, n_pairs * 3 * s.inter * 2]);
+        mma_experts::<R, A>(client, experts, x, routing, [&h, &y, &xs, &hs], cfg, &mm, stages, fused);
         combine(client, &s, routing, &y, out, stages, addend);
         return;
     }
@@ -523,11 +535,37 @@ fn moe_forward_inner<R: Runtime, A: Float>(
     combine(client, &s, routing, &y, out, stages, addend);
 }
 
+/// Whether the tensor-core gate/up launch writes the down launch's split input itself (`ExpertMmaSpec::split_out`),
+/// saving the intermediate's `split_x3` launch; `EYRIE_MOE_FUSED_SPLIT=0` (or [`set_fused_split`]) keeps the
+/// separate launch, for same-binary comparisons. Both give the same bits.
+pub fn fused_split() -> bool {
+    use std::sync::atomic::Ordering;
+    match FUSED_SPLIT.load(Ordering::Relaxed) {
+        0 => false,
+        1 => true,
+        _ => {
+            let on = std::env::var("EYRIE_MOE_FUSED_SPLIT").map_or(true, |v| v != "0");
+            FUSED_SPLIT.store(u8::from(on), Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+/// Sets [`fused_split`] for the process.
+pub fn set_fused_split(on: bool) {
+    FUSED_SPLIT.store(u8::from(on), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// [`fused_split`]: 0 off, 1 on, 2 not read from the environment yet.
+static FUSED_SPLIT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+
 /// Whether every launch of the tensor-core path takes `shape` under `mm`.
-fn mma_fits(shape: &MoeShape, topk: usize, mm: &MmaShape, cfg: &MoeConfig) -> bool {
+fn mma_fits(shape: &MoeShape, topk: usize, mm: &MmaShape, cfg: &MoeConfig, smem_limit: usize) -> bool {
     crate::cuda::specs::MMA_TBS.contains(&cfg.mma_tb)
         && mma_class_tbs(cfg).into_iter().all(|tb| {
-            ExpertMmaSpec::gate_up(shape, topk, mm, tb).fits() && ExpertMmaSpec::down(shape, topk, mm, tb).fits()
+            [ExpertMmaSpec::gate_up(shape, topk, mm, tb), ExpertMmaSpec::down(shape, topk, mm, tb)]
+                .iter()
+                .all(|spec| spec.fits() && spec.shared_bytes() <= smem_limit)
         })
 }
 
@@ -549,7 +587,8 @@ fn split_x3<R: Runtime, A: Float>(client: &ComputeClient<R>, x: &Handle, out: &H
     }
 }
 
-/// The experts on tensor cores: split the input, gate/up (one launch per class), split the intermediate, down.
+/// The experts on tensor cores: split the input, gate/up (one launch per class; `fused`: it writes the split
+/// intermediate), split the intermediate (unless `fused`), down.
 #[allow(clippy::too_many_arguments)]
 fn mma_experts<R: Runtime, A: Float>(
     client: &ComputeClient<R>,
@@ -560,9 +599,11 @@ fn mma_experts<R: Runtime, A: Float>(
     cfg: &MoeConfig,
     mm: &MmaShape,
     stages: Stages,
+    fused: bool,
 ) {
     let s = experts.shape;
     let n_pairs = routing.m * routing.topk;
+    let hs_len = n_pairs * 3 * s.inter / 2;
     let launch = |spec: ExpertMmaSpec,
                   class: usize,
                   input: &Handle,
@@ -592,6 +633,7 @@ fn mma_experts<R: Runtime, A: Float>(
                 arg(&routing.offsets, routing.slots + 1),
                 arg(&routing.pairs, n_pairs),
                 arg(o, o_len),
+                arg(hs, hs_len),
                 arg(&routing.bounds, 4),
                 class as u32,
                 spec.k,
@@ -605,18 +647,23 @@ fn mma_experts<R: Runtime, A: Float>(
                 spec.gated,
                 spec.by_token,
                 spec.tiled,
+                spec.split_out,
             );
         }
     };
     if matches!(stages, Stages::All | Stages::GateUp) {
         split_x3::<R, A>(client, x, xs, routing.m, s.hidden);
         for (class, tb) in mma_class_tbs(cfg).into_iter().enumerate() {
-            let spec = ExpertMmaSpec::gate_up(&s, routing.topk, mm, tb);
-            launch(spec, class, xs, routing.m * 3 * s.hidden / 8, &experts.w13, &experts.s13, h, n_pairs * s.inter);
+            let spec = ExpertMmaSpec { split_out: fused, ..ExpertMmaSpec::gate_up(&s, routing.topk, mm, tb) };
+            // Fused: the launch writes `hs` (its `out` is passed unwritten: `y`, the right type and large enough).
+            let (o, o_len) = if fused { (y, n_pairs * s.hidden) } else { (h, n_pairs * s.inter) };
+            launch(spec, class, xs, routing.m * 3 * s.hidden / 8, &experts.w13, &experts.s13, o, o_len);
         }
     }
     if matches!(stages, Stages::All | Stages::Down) {
-        split_x3::<R, f32>(client, h, hs, n_pairs, s.inter);
+        if !fused {
+            split_x3::<R, f32>(client, h, hs, n_pairs, s.inter);
+        }
         for (class, tb) in mma_class_tbs(cfg).into_iter().enumerate() {
             let spec = ExpertMmaSpec::down(&s, routing.topk, mm, tb);
             launch(spec, class, hs, n_pairs * 3 * s.inter / 8, &experts.w2, &experts.s2, y, n_pairs * s.hidden);

@@ -142,6 +142,24 @@ fn load_block<N: Size>(
     }
 }
 
+/// BF16 bits of part `c` (0, 1, 2) of `v = hi + mid + lo`, each part the remainder of the previous ones with its
+/// low 16 bits cut, as [`split_x3_kernel`] splits.
+#[cube]
+fn split_part(v: f32, c: usize) -> u32 {
+    let hi = u32::reinterpret(v) >> 16u32;
+    let r = v - f32::reinterpret(hi << 16u32);
+    let mid = u32::reinterpret(r) >> 16u32;
+    let lo = u32::reinterpret(r - f32::reinterpret(mid << 16u32)) >> 16u32;
+    let mut part = hi;
+    if c == 1 {
+        part = mid;
+    }
+    if c == 2 {
+        part = lo;
+    }
+    part
+}
+
 /// One `mma.m16n8k16` (BF16 operands in PTX register order, f32 accumulators) into the four accumulator floats of
 /// a lane at `blk[base..base + 4]`: (row g, columns 2c, 2c + 1), (row g + 8, the same columns). Shared by the MoE
 /// and dense tensor-core kernels.
@@ -230,7 +248,7 @@ pub(crate) fn token_sum(acc: &Array<f32>, t: usize, h: usize, mt: usize, c: usiz
 ///
 /// `k` a multiple of 128; the task rows (`rows / 2` gated, else `rows`) a multiple of 16 (`16 tiles` ungated).
 #[cube(launch_unchecked, address_type = "dynamic")]
-#[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
+#[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if, clippy::collapsible_else_if)]
 pub fn expert_mma_kernel<N: Size>(
     xs: &Array<Vector<u32, N>>,
     words: &Array<Vector<u32, N>>,
@@ -239,6 +257,7 @@ pub fn expert_mma_kernel<N: Size>(
     offsets: &Array<u32>,
     pairs: &Array<u32>,
     out: &mut Array<f32>,
+    hs_out: &mut Array<u32>,
     bounds: &Array<u32>,
     class: u32,
     #[comptime] k: usize,
@@ -252,6 +271,7 @@ pub fn expert_mma_kernel<N: Size>(
     #[comptime] gated: bool,
     #[comptime] by_token: bool,
     #[comptime] tiled: bool,
+    #[comptime] split_out: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -266,6 +286,8 @@ pub fn expert_mma_kernel<N: Size>(
     let step = comptime!(if gated { 16 } else { 16 * tiles });
     // Accumulator floats per lane: (m tile, n tile, row half, column pair).
     let nacc = comptime!(mtiles * ntiles * 4);
+    // Gated launches may write the down launch's split input instead of the f32 intermediate.
+    let split = comptime!(split_out && gated);
 
     let mut red = SharedMemory::<f32>::new(comptime!(if ksplit > 1 { tasks * ksplit * nacc * 32 } else { 1 }));
 
@@ -436,15 +458,30 @@ pub fn expert_mma_kernel<N: Size>(
                             for mt in 0..mtiles {
                                 vals[mt] = token_sum(&acc, t, h, mt, c, ntiles);
                             }
-                            if c == 0 {
-                                let r = j0 + g + 8 * h;
-                                if gated {
-                                    let a = vals[0];
-                                    out[p * task_rows + r] = a / (f32::new(1.0) + (-a).exp()) * vals[1];
-                                } else {
-                                    #[unroll]
-                                    for mt in 0..mtiles {
-                                        out[p * rows + r + 16 * mt] = vals[mt];
+                            if split {
+                                // The down launch's input written here, split and permuted as `split_x3_kernel`
+                                // writes it (no launch of its own): row `r = j0 + g + 8 h` (g < 4) and row `r + 4`
+                                // (lane g + 4's) are the two halves of word `j0 / 2 + 4 h + g`, and lane c of the
+                                // quad writes part c.
+                                let a = vals[0];
+                                let v = a / (f32::new(1.0) + (-a).exp()) * vals[1];
+                                let w = plane_shuffle_xor(v, 16u32);
+                                if g < 4 && c < 3 {
+                                    let j = j0 / 2 + 4 * h + g;
+                                    let word = split_part(v, c) | (split_part(w, c) << 16u32);
+                                    hs_out[(p * 3 + c) * comptime!(rows / 4) + j] = word;
+                                }
+                            } else {
+                                if c == 0 {
+                                    let r = j0 + g + 8 * h;
+                                    if gated {
+                                        let a = vals[0];
+                                        out[p * task_rows + r] = a / (f32::new(1.0) + (-a).exp()) * vals[1];
+                                    } else {
+                                        #[unroll]
+                                        for mt in 0..mtiles {
+                                            out[p * rows + r + 16 * mt] = vals[mt];
+                                        }
                                     }
                                 }
                             }
@@ -484,6 +521,26 @@ mod tests {
         } else {
             (l.w13[(r * kv + v) * 4 + w], l.s13[r * ng + col / group].to_f32())
         }
+    }
+
+    /// The gated launch's fused epilogue (`split_out`) writes rows `r = j0 + g + 8 h` (g < 4, lane g's) and
+    /// `r + 4` (lane g + 4's) as word `j0 / 2 + 4 h + g`: exactly the word `split_x3_kernel` puts those two rows
+    /// in, and over a task's lanes every word of its 16 rows once.
+    #[test]
+    fn fused_split_epilogue_writes_split_x3_words() {
+        let inter = 2048;
+        let mut seen = vec![0u32; inter / 2];
+        for j0 in (0..inter).step_by(16) {
+            for h in 0..2 {
+                for g in 0..4 {
+                    let r = j0 + g + 8 * h;
+                    let j = j0 / 2 + 4 * h + g;
+                    assert_eq!(permuted_columns(j), (r, r + 4), "j0 {j0} h {h} g {g}");
+                    seen[j] += 1;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1));
     }
 
     #[test]

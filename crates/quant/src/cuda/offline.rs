@@ -166,6 +166,7 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
     let offsets = <Array<u32> as LaunchArg>::expand(&a, &mut b);
     let pairs = <Array<u32> as LaunchArg>::expand(&a, &mut b);
     let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let hs_out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
     let bounds = <Array<u32> as LaunchArg>::expand(&a, &mut b);
     let class = <u32 as LaunchArg>::expand(&(), &mut b);
     expert_mma_kernel::expand::<N>(
@@ -178,6 +179,7 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
         offsets,
         pairs,
         out,
+        hs_out,
         bounds,
         class,
         s.k,
@@ -191,6 +193,7 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
         s.gated,
         s.by_token,
         s.tiled,
+        s.split_out,
     );
     let name = format!("expert_mma_kernel_n_{VEC}");
     b.build(KernelSettings::default().cube_dim(s.cube_dim()).address_type(s.address).kernel_name(name))

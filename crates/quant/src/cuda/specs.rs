@@ -186,6 +186,9 @@ pub struct ExpertMmaSpec {
     pub by_token: bool,
     /// The experts in the tiled layout ([`MoeShape::tiled`]).
     pub tiled: bool,
+    /// Gated: writes the down launch's input split and permuted (`split_x3_kernel`'s layout) instead of the f32
+    /// intermediate (`crate::cuda::gpu::fused_split`).
+    pub split_out: bool,
     /// 32- or 64-bit indexing.
     pub address: AddressType,
 }
@@ -205,6 +208,7 @@ impl ExpertMmaSpec {
             gated: true,
             by_token: true,
             tiled: s.tiled(),
+            split_out: true,
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -223,6 +227,7 @@ impl ExpertMmaSpec {
             gated: false,
             by_token: false,
             tiled: s.tiled(),
+            split_out: false,
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -246,6 +251,14 @@ impl ExpertMmaSpec {
     /// Threads of a block: one warp per `y`.
     pub fn cube_dim(&self) -> CubeDim {
         CubeDim::new_2d(32, (self.tasks * self.ksplit) as u32)
+    }
+
+    /// Shared memory of a block, bytes: the k-split warps' accumulators (`tasks x ksplit` warps of `mtiles x
+    /// ntiles x 4` floats a lane), the kernel's `red`.
+    pub fn shared_bytes(&self) -> usize {
+        let mtiles = if self.gated { 2 } else { self.tiles };
+        let nacc = mtiles * (3 * self.tb).div_ceil(8) * 4;
+        if self.ksplit > 1 { self.tasks * self.ksplit * nacc * 32 * 4 } else { 4 }
     }
 
     /// Blocks along `x` for one active expert.
@@ -541,11 +554,12 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec
     for (cfg, tb) in tuned_launches(shape, smem_limit) {
         push(KernelSpec::ExpertRows { act: Act::F32, spec: ExpertRowsSpec::down(shape, topk, &cfg, tb) });
     }
-    // The tensor-core kernels: every candidate launch shape (the benchmark's sweep) at every tokens-per-pass.
+    // The tensor-core kernels: every candidate launch shape (the benchmark's sweep) at every tokens-per-pass whose
+    // block fits the device's shared memory (the launcher takes the CUDA-core kernels for the others).
     for m in MmaShape::candidates() {
         for tb in MMA_TBS {
             for spec in [ExpertMmaSpec::gate_up(shape, topk, &m, tb), ExpertMmaSpec::down(shape, topk, &m, tb)] {
-                if spec.fits() {
+                if spec.fits() && spec.shared_bytes() <= smem_limit {
                     push(KernelSpec::ExpertMma { spec });
                 }
             }
@@ -715,6 +729,29 @@ mod tests {
             }
         }
         assert!(capped > 0, "4-token passes of a 7168-wide input need 126 KiB: some shape must be capped");
+    }
+
+    /// The tensor-core shapes the launcher picks fit SM120's shared memory at every tokens-per-pass they run
+    /// (so SM120 runs them, not the CUDA-core fallback); `shared_bytes` is what ptxas reported for two of them
+    /// (`cargo xtask kernels --arch sm_90 --only mma`); a candidate too big for SM120 stays out of its specs.
+    #[test]
+    fn tensor_core_shapes_fit_the_device_shared_memory() {
+        let sm120 = 101_376;
+        for m in 1..=MAX_TOKENS {
+            let cfg = MoeConfig::for_tokens(m);
+            let mm = cfg.mma.expect("tensor cores at every width");
+            for tb in mma_class_tbs(&cfg) {
+                for spec in [ExpertMmaSpec::gate_up(&KIMI, 8, &mm, tb), ExpertMmaSpec::down(&KIMI, 8, &mm, tb)] {
+                    assert!(spec.shared_bytes() <= sm120, "m {m}: {} needs {}", spec.label(), spec.shared_bytes());
+                }
+            }
+        }
+        let wide = MmaShape { tasks_13: 8, ksplit_13: 3, tiles_2: 1, tasks_2: 1, ksplit_2: 2 };
+        assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 1).shared_bytes(), 24_576);
+        assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 16).shared_bytes(), 147_456);
+        let specs = moe_kernel_specs(&KIMI, 8, sm120);
+        assert!(!specs.contains(&KernelSpec::ExpertMma { spec: ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 16) }));
+        assert!(specs.contains(&KernelSpec::ExpertMma { spec: ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 1) }));
     }
 
     #[test]
