@@ -5,7 +5,7 @@
 //! gpu_kernels check                 # kernel vs CPU reference on random inputs; exit 1 on a mismatch
 //! gpu_kernels bench --json FILE     # Kimi-K2 shapes, batch 1/8/32/128, vs the copy bandwidth of the same run
 //! gpu_kernels prefill [--m 512,2048,8192] [--json FILE]  # prefill widths on tensor cores: tokens a pass of 3+-token experts
-//! gpu_kernels stages [--m 1,8] [--json FILE]  # tensor-core launch shapes of gate/up and of down, each stage alone
+//! gpu_kernels stages [--m 1,8] [--full] [--json FILE]  # tensor-core launch shapes of gate/up and of down, each alone
 //! ```
 //!
 //! Tolerance of `check`, norm-wise (`max |gpu - ref| / max |ref|`):
@@ -50,7 +50,7 @@ fn main() -> Result<()> {
     if !check && !bench && !prefill && !stages {
         bail!(
             "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128]] [prefill [--m 512,2048,8192]] \
-             [stages [--m 1,8]]"
+             [stages [--m 1,8] [--full]]"
         );
     }
     let ms: Vec<usize> = match args.iter().position(|a| a == "--m") {
@@ -86,7 +86,7 @@ fn main() -> Result<()> {
     }
     if stages {
         let ms = if args.iter().any(|a| a == "--m") { ms.clone() } else { vec![1, 8] };
-        run_stage_sweep(&client, &kimi, &gpu_kimi, &ms, json.as_deref())?;
+        run_stage_sweep(&client, &kimi, &gpu_kimi, &ms, json.as_deref(), args.iter().any(|a| a == "--full"))?;
     }
     if prefill {
         failed |= !check_prefill_tbs(&client)?;
@@ -522,15 +522,18 @@ fn run_bench(
 }
 
 /// `stages`: the tensor-core launch shapes of gate/up (tasks x k-split) and of down (tiles x tasks x k-split), each
-/// stage timed alone (gate/up with its input split, down with its intermediate split) from the launch shape of
-/// `MoeConfig::for_tokens(m)`, then the whole layer with the best of each against that shape, in the same run. For
-/// choosing `MoeConfig::for_tokens` stage by stage (the `bench` sweep tries whole shapes only).
+/// stage timed alone (gate/up with the input's split and, by default, the intermediate's, which it writes itself;
+/// down alone), from the launch shape of `MoeConfig::for_tokens(m)`, then the whole layer with the best of each
+/// against that shape, in the same run. `full`: up to 32 warps a block and 4 tiles a task; otherwise the 18 + 24
+/// shapes that mattered at one token in session 16. For choosing `MoeConfig::for_tokens` stage by stage (the
+/// `bench` sweep tries whole shapes only).
 fn run_stage_sweep(
     client: &ComputeClient<R>,
     kimi: &MoeExperts,
     gpu: &GpuExperts<R>,
     ms: &[usize],
     json: Option<&str>,
+    full: bool,
 ) -> Result<()> {
     let s = kimi.shape();
     let mut out = Vec::new();
@@ -552,13 +555,15 @@ fn run_stage_sweep(
             let cfg = MoeConfig { mma: Some(mm), ..base };
             time_us(client, 8, 7, 32, |j| fwd(&cfg, st, j))
         };
-        println!("\nm = {m}: gate/up alone (input split included), tuned shape {base_mm:?}");
+        println!(
+            "\nm = {m}: gate/up alone (with the input's split; it writes the intermediate split unless EYRIE_MOE_FUSED_SPLIT=0), tuned shape {base_mm:?}"
+        );
         println!("| tasks | k-split | warps | us |\n|---|---|---|---|");
         let mut best13 = (f64::INFINITY, base_mm);
         let mut rows13 = Vec::new();
         for tasks in [1usize, 2, 4, 8] {
             for ksplit in [1usize, 2, 3, 4, 6, 8] {
-                if tasks * ksplit > 32 {
+                if tasks * ksplit > if full { 32 } else { 24 } || (!full && ksplit == 8) {
                     continue;
                 }
                 let mm = MmaShape { tasks_13: tasks, ksplit_13: ksplit, ..base_mm };
@@ -570,14 +575,18 @@ fn run_stage_sweep(
                 }
             }
         }
-        println!("\nm = {m}: down alone (intermediate split included)");
+        println!("\nm = {m}: down alone (plus the intermediate's split launch when EYRIE_MOE_FUSED_SPLIT=0)");
         println!("| tiles | tasks | k-split | warps | us |\n|---|---|---|---|---|");
         let mut best2 = (f64::INFINITY, base_mm);
         let mut rows2 = Vec::new();
         for tiles in [1usize, 2, 4] {
             for tasks in [1usize, 2, 4, 8] {
                 for ksplit in [1usize, 2, 3, 4, 6, 8] {
-                    if tasks * ksplit > 32 {
+                    // Without `--full`: the part of the grid that session 16 found within 5% of the best at one
+                    // token (down took the same time for every shape up to 16 warps).
+                    if tasks * ksplit > if full { 32 } else { 16 }
+                        || (!full && (tiles == 4 || tasks == 8 || ksplit > 4))
+                    {
                         continue;
                     }
                     let mm = MmaShape { tiles_2: tiles, tasks_2: tasks, ksplit_2: ksplit, ..base_mm };
