@@ -682,16 +682,6 @@ mod tests {
         PagedMlaCache { pools: vec![pool], spare, step: None, block_size: bs, blocks: BlockPool::new(num_blocks, bs) }
     }
 
-    /// Values in `[-1, 1)` from a fixed LCG.
-    fn values(state: &mut u64, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
-                ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
     /// The CUDA attention kernel computes `mla_attention_reference` over `paged_rows`: that must be what the burn
     /// path computes (decode rows batched, a prefill chunk alone), page tables and causal limits included.
     #[test]
@@ -699,8 +689,8 @@ mod tests {
         let dev = Default::default();
         let (h, r, rot, bs, num_blocks) = (3usize, 8usize, 4usize, 4usize, 12usize);
         let width = r + rot;
-        let mut st = 7u64;
-        let pool = values(&mut st, num_blocks * bs * width);
+        let mut st = eyrie_quant::cuda::SplitMix64::new(7);
+        let pool = st.signed(num_blocks * bs * width);
         let cache = flex_cache(
             Tensor::from_data(TensorData::new(pool.clone(), [num_blocks * bs, width]), &dev),
             bs,
@@ -732,8 +722,8 @@ mod tests {
             kv_lora_rank: r,
             softmax_scale: 0.37,
         };
-        let q_lat = values(&mut st, h * n * r);
-        let q_pe = values(&mut st, h * n * rot);
+        let q_lat = st.signed(h * n * r);
+        let q_pe = st.signed(h * n * rot);
         let q_lat_t = Tensor::<Flex, 3>::from_data(TensorData::new(q_lat.clone(), [h, n, r]), &dev);
         let q_pe_t = Tensor::<Flex, 3>::from_data(TensorData::new(q_pe.clone(), [h, n, rot]), &dev);
         // burn: the two decodes batched (rows 0, 1), the chunk alone (rows 2..5) -> [H, N, r].

@@ -387,6 +387,11 @@ impl SplitMix64 {
         (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32
     }
 
+    /// `n` values uniform in `[-1, 1)` (f32).
+    pub fn signed(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.next_f32() * 2.0 - 1.0).collect()
+    }
+
     /// Random activations `[n]`, BF16 values never zero: magnitude in `[1/16, 1)`, random sign.
     pub fn activations(&mut self, n: usize) -> Vec<bf16> {
         (0..n)

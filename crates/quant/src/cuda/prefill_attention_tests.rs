@@ -4,15 +4,6 @@ use super::*;
 
 const KIMI: MhaDims = MhaDims { nope: 128, rot: 64, vd: 128 };
 
-fn values(state: &mut u64, n: usize) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            *state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
 #[test]
 fn kimi_fits_sm120_and_the_h200() {
     assert_eq!(KIMI.shared_bytes(), 99_328);
@@ -32,10 +23,10 @@ fn equals_the_absorbed_form() {
     let dims = MhaDims { nope: 8, rot: 4, vd: 8 };
     let (heads, r, n, start) = (3usize, 16usize, 5usize, 4usize);
     let total = start + n;
-    let mut st = 7u64;
-    let q = values(&mut st, n * heads * (dims.nope + dims.rot));
-    let lat = values(&mut st, total * (r + dims.rot));
-    let w = values(&mut st, heads * (dims.nope + dims.vd) * r); // kv_b_proj [H (nope + vd), r]
+    let mut st = crate::cuda::SplitMix64::new(7);
+    let q = st.signed(n * heads * (dims.nope + dims.rot));
+    let lat = st.signed(total * (r + dims.rot));
+    let w = st.signed(heads * (dims.nope + dims.vd) * r); // kv_b_proj [H (nope + vd), r]
     let mut kv = vec![0.0f32; total * heads * (dims.nope + dims.vd)];
     for t in 0..total {
         for h in 0..heads {
@@ -320,15 +311,15 @@ fn the_kernels_algorithm_matches_the_reference() {
         (small, 2, 130, 37, &[64, 40, 63]),
         (small, 1, 1, 90, &[91]),
     ];
-    let mut st = 3u64;
+    let mut st = crate::cuda::SplitMix64::new(3);
     for (dims, heads, n, start, segs) in cases {
         let MhaDims { nope, rot, vd } = dims;
         let keys = start + n;
         assert_eq!(segs.iter().sum::<usize>(), keys);
         let (kpe_width, kpe_col) = (8 + rot, 8);
-        let q = values(&mut st, n * heads * (nope + rot));
-        let kv = values(&mut st, keys * heads * (nope + vd));
-        let kpe = values(&mut st, keys * kpe_width);
+        let q = st.signed(n * heads * (nope + rot));
+        let kv = st.signed(keys * heads * (nope + vd));
+        let kpe = st.signed(keys * kpe_width);
         let scale = 1.0 / ((nope + rot) as f32).sqrt();
         let want =
             mha_prefill_reference(&q, &kv, &kpe, kpe_width, kpe_col, n, heads, dims, start, 0, keys, f64::from(scale));
@@ -364,10 +355,10 @@ fn causal_rows_and_segments() {
     let dims = MhaDims { nope: 4, rot: 4, vd: 4 };
     let (heads, n, start) = (2usize, 3usize, 2usize);
     let keys = start + n;
-    let mut st = 11u64;
-    let q = values(&mut st, n * heads * 8);
-    let mut kv = values(&mut st, keys * heads * 8);
-    let kpe = values(&mut st, keys * 4);
+    let mut st = crate::cuda::SplitMix64::new(11);
+    let q = st.signed(n * heads * 8);
+    let mut kv = st.signed(keys * heads * 8);
+    let kpe = st.signed(keys * 4);
     let whole = mha_prefill_reference(&q, &kv, &kpe, 4, 0, n, heads, dims, start, 0, keys, 1.0);
     // Changing the last key changes only the last row.
     for h in 0..heads {
