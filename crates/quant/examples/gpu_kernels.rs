@@ -397,6 +397,32 @@ fn cuda_core_sweep(m: usize) -> Vec<MoeConfig> {
     }
 }
 
+/// A benchmark's device inputs for `m` tokens: activations, an output buffer and 16 random routings, cycled so
+/// that consecutive calls touch different experts and the 60 MB L2 cannot help; with each routing's active experts
+/// and the most tokens an expert gets.
+struct BenchInputs {
+    x: Handle,
+    out: Handle,
+    routings: Vec<GpuRouting>,
+    active: Vec<usize>,
+    max_tokens: usize,
+}
+
+fn bench_inputs(client: &ComputeClient<R>, s: &MoeShape, m: usize, seed: u64) -> Result<BenchInputs> {
+    let mut rng = SplitMix64::new(seed);
+    let x = client.create_from_slice(bf16::as_bytes(&rng.activations(m * s.hidden)));
+    let out = client.empty(m * s.hidden * 4);
+    let (mut routings, mut active, mut max_tokens) = (Vec::new(), Vec::new(), 0);
+    for _ in 0..16 {
+        let (ids, weights) = rng.routing(m, TOPK, s.experts);
+        let r = Routing::new(&ids, m, TOPK, s.experts)?;
+        active.push(r.experts.len());
+        max_tokens = max_tokens.max(r.max_tokens);
+        routings.push(GpuRouting::upload(client, &r, &weights));
+    }
+    Ok(BenchInputs { x, out, routings, active, max_tokens })
+}
+
 /// Median of `v` (sorted in place).
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -444,20 +470,7 @@ fn run_bench(
     println!("|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for (i, &m) in ms.iter().enumerate() {
-        // 16 routings cycled, so consecutive calls touch different experts and the 60 MB L2 cannot help.
-        let mut rng = SplitMix64::new(1000 + i as u64);
-        let x = client.create_from_slice(bf16::as_bytes(&rng.activations(m * s.hidden)));
-        let out = client.empty(m * s.hidden * 4);
-        let mut routings = Vec::new();
-        let mut active = Vec::new();
-        let mut max_tokens = 0;
-        for _ in 0..16 {
-            let (ids, weights) = rng.routing(m, TOPK, s.experts);
-            let r = Routing::new(&ids, m, TOPK, s.experts)?;
-            active.push(r.experts.len());
-            max_tokens = max_tokens.max(r.max_tokens);
-            routings.push(GpuRouting::upload(client, &r, &weights));
-        }
+        let BenchInputs { x, out, routings, active, max_tokens } = bench_inputs(client, &s, m, 1000 + i as u64)?;
         let fwd = |cfg: &MoeConfig, stages: Stages, j: usize| {
             moe_forward_with::<_, bf16>(client, gpu, &x, &routings[j % 16], &out, cfg, stages)
         };
@@ -538,14 +551,7 @@ fn run_stage_sweep(
     let s = kimi.shape();
     let mut out = Vec::new();
     for (i, &m) in ms.iter().enumerate() {
-        let mut rng = SplitMix64::new(2000 + i as u64);
-        let x = client.create_from_slice(bf16::as_bytes(&rng.activations(m * s.hidden)));
-        let y = client.empty(m * s.hidden * 4);
-        let mut routings = Vec::new();
-        for _ in 0..16 {
-            let (ids, weights) = rng.routing(m, TOPK, s.experts);
-            routings.push(GpuRouting::upload(client, &Routing::new(&ids, m, TOPK, s.experts)?, &weights));
-        }
+        let BenchInputs { x, out: y, routings, .. } = bench_inputs(client, &s, m, 2000 + i as u64)?;
         let base = MoeConfig::for_tokens(m);
         let Some(base_mm) = base.mma else { bail!("m = {m}: the tuned shape is not a tensor-core shape") };
         let fwd = |cfg: &MoeConfig, st: Stages, j: usize| {
