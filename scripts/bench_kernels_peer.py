@@ -2,7 +2,7 @@
 same command as the Rust benchmark, and the merge of both into one table.
 
 Usage (device machine, repository root):
-    python3 scripts/bench_kernels_peer.py --out PEER.json
+    python3 scripts/bench_kernels_peer.py --out PEER.json [--batches 1,8]
     python3 scripts/bench_kernels_peer.py --merge OURS.json PEER.json     # prints the side-by-side table
 
 Peers, all on the same MoE layer (hidden 7168, moe_intermediate 2048, 384 experts, top-8, group 32) and the same
@@ -87,7 +87,7 @@ def graphed(fn):
     return g.replay
 
 
-def measure(out_path):
+def measure(out_path, batches):
     import torch
 
     dev = torch.device("cuda")
@@ -138,7 +138,7 @@ def measure(out_path):
     bf16_down = lambda e, h: torch.nn.functional.linear(h, b2[e])  # noqa: E731
     has_grouped = hasattr(torch, "_grouped_mm")
 
-    for m in BATCHES:
+    for m in batches:
         x = torch.randn(m, H, dtype=torch.bfloat16, device=dev)
         routings = [routing(gen, m, dev) for _ in range(N_ROUTINGS)]
         row = {"m": m, "active_experts_mean": sum(len(r) for r in routings) / N_ROUTINGS}
@@ -185,9 +185,10 @@ def merge(ours_path, peer_path):
     print(f"copy bandwidth: ours (CubeCL kernel) {ours['copy_gb_per_s']:.0f} GB/s, torch {peer['copy_gb_per_s']:.0f} GB/s")
     print(
         "| m | active experts | ours us | ours GB/s | % copy BW | roofline us | tinygemm graph us | tinygemm eager us "
-        "| bf16 graph us | bf16 grouped_mm us | ours vs tinygemm |"
+        "| bf16 graph us | bf16 grouped_mm us | ours vs tinygemm | ours GPU us (behind a copy) | GPU % copy BW "
+        "| ours GPU vs tinygemm |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     by_m = {r["m"]: r for r in peer["rows"]}
     for r in ours["rows"]:
         p = by_m.get(r["m"], {})
@@ -197,7 +198,8 @@ def merge(ours_path, peer_path):
             f"| {r['m']} | {r['active_experts_mean']:.1f} | {r['us']:.1f} | {r['gb_per_s']:.0f} | {r['pct_copy_bw']:.1f} "
             f"| {r['roofline_us']:.1f} | {tg:.1f} | {p.get('tinygemm_eager_us', float('nan')):.1f} "
             f"| {p.get('bf16_graph_us', float('nan')):.1f} | {gm if gm is None else round(gm, 1)} "
-            f"| {tg / r['us']:.2f}x |"
+            f"| {tg / r['us']:.2f}x | {r.get('gpu_us', float('nan')):.1f} | {r.get('gpu_pct_copy_bw', float('nan')):.1f} "
+            f"| {tg / r.get('gpu_us', float('nan')):.2f}x |"
         )
 
 
@@ -205,11 +207,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--merge", nargs=2, metavar=("OURS", "PEER"))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)), help="token counts, e.g. 1,8")
     args = ap.parse_args()
     if args.merge:
         merge(*args.merge)
     elif args.out:
-        measure(args.out)
+        measure(args.out, [int(b) for b in args.batches.split(",")])
     else:
         ap.print_help()
         sys.exit(2)

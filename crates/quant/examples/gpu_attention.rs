@@ -2,7 +2,7 @@
 //! runs on a CUDA machine, built with `--features cuda`.
 //!
 //! ```text
-//! gpu_attention [--json FILE] [--quick] [--sweep] [--small]
+//! gpu_attention [--json FILE] [--quick] [--sweep] [--small] [--heads 64]
 //! ```
 //!
 //! Check: random never-zero queries and latents, page tables of shuffled blocks, decode rows of several sequences
@@ -15,11 +15,12 @@
 //! order) for decode batches 1..128 at context 1k and 8k: microseconds per layer (median of 9 runs of 10
 //! back-to-back calls between syncs, each call on another layer's cache so that the L2 does not hold it), GB/s of
 //! the bytes that must move (the latents the rows see, the queries and the output), their share of the copy
-//! bandwidth measured in the same run, and TFLOP/s (2 x heads x positions x (576 + 512) per row).
+//! bandwidth measured in the same run, and TFLOP/s (2 x heads x positions x (576 + 512) per row). `--heads N`:
+//! the benchmarks and sweeps with N heads instead of 64 (8: one rank's share under `--tp-size 8`).
 
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
@@ -163,6 +164,13 @@ fn main() -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
     let sweep = args.iter().any(|a| a == "--sweep");
     let small = args.iter().any(|a| a == "--small");
+    let heads: usize = match args.iter().position(|a| a == "--heads") {
+        Some(i) => args.get(i + 1).context("--heads needs a count")?.parse().context("--heads: not a count")?,
+        None => 64,
+    };
+    if heads == 0 {
+        bail!("--heads: at least 1");
+    }
     let client = R::client(&CudaDevice::default());
     let sms = client.properties().hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
     let smem = client.properties().hardware.max_shared_memory_size;
@@ -234,9 +242,10 @@ fn main() -> Result<()> {
     // Copy bandwidth of the same run (read + write bytes of 1 GiB).
     let copy_bw = copy_bandwidth(&client).map_err(anyhow::Error::msg)?;
     println!("\ncopy bandwidth: {:.0} GB/s", copy_bw / 1e9);
+    println!("{heads} heads");
     println!("| batch | context | cache MB read | launch | us/layer | GB/s | % of copy BW | TFLOP/s |");
     println!("|---|---|---|---|---|---|---|---|");
-    let (heads, r, rot, bs) = (64usize, 512usize, 64usize, 16usize);
+    let (r, rot, bs) = (512usize, 64usize, 16usize);
     let d = r + rot;
     let batches: &[usize] = if quick { &[1, 8] } else { &[1, 8, 32, 128] };
     let mut bench_json = Vec::new();
@@ -327,7 +336,7 @@ fn main() -> Result<()> {
             let out = client.empty(batch * heads * r * 4);
             let auto = AttentionConfig::new(batch, heads, ctx, d, sms, smem);
             for (hpw, warps) in HEADS_PER_WARP.iter().flat_map(|&h| [1usize, 2, 4, 8].map(|w| (h, w))) {
-                if attention_shared_bytes(d, warps, hpw) > smem {
+                if attention_shared_bytes(d, warps, hpw) > smem || hpw * warps > heads.next_multiple_of(hpw) {
                     continue;
                 }
                 for chunk in [32usize, 64, 128, 256, 512, 1024, 2048] {

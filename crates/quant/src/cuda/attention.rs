@@ -204,7 +204,8 @@ impl AttentionConfig {
     /// latent tile read into the fewest blocks) when the rows' 32-position tiles give every multiprocessor at least
     /// 8 warp tasks, else 4 (at 6 tasks a multiprocessor) or 2, so short contexts at small batches still fill the
     /// GPU with short chains (the batch-1 fixed cost). Then as many warps as the heads fill (at most 8) and the shared memory allows, then
-    /// enough slices (of at least 32 positions) to give every multiprocessor at most one block; at 8 heads a warp,
+    /// enough slices (of at least 32 positions) to give every multiprocessor at most one wave of blocks (as many as
+    /// its shared memory holds); fewer heads a warp when the heads would fill fewer than 4 warps; at 8 heads a warp,
     /// when even 32-position slices leave multiprocessors idle, half the warps a block and twice the blocks. Tuned
     /// on the H200 (`gpu_attention --sweep`, bench/REPORT.md): batch 1 at 1k 135 -> 69 us a layer, batch 8 at 1k
     /// 135 -> 98 us, batch 8 at 8k 596 -> 545 us, batch 32 at 1k 330 -> 298 us against the previous
@@ -219,13 +220,19 @@ impl AttentionConfig {
         // at 1, 2, 4 and 8 rows over 1k and 1 and 8 rows over 8k: bench/REPORT.md, session 11; 4 at 4 tasks, as
         // then, gave one row over 1040 positions 4 heads a warp: 32.5 us of GPU time against 26.2 with 2, session
         // 13's GPU-timed sweep, `gpu_attention --small`).
-        let hpw = if tasks(8) >= 8 * sms {
+        let mut hpw = if tasks(8) >= 8 * sms {
             8
         } else if tasks(4) >= 6 * sms {
             4
         } else {
             2
         };
+        // Few heads (one tensor-parallel rank's share: 8 of Kimi's 64 under `--tp-size 8`): fewer heads a warp
+        // until a block has 4 warps. At 8 heads, 8 heads in one warp a block took 386 us at 8 x 8k against 139 for
+        // 2 heads x 4 warps (`gpu_attention --heads 8 --sweep`, session 17).
+        while hpw > 2 && heads.div_ceil(hpw) < 4 {
+            hpw /= 2;
+        }
         let mut warps = heads.div_ceil(hpw).clamp(1, 8);
         while warps > 1 && attention_shared_bytes(d, warps, hpw) > smem {
             warps -= 1;
@@ -238,8 +245,12 @@ impl AttentionConfig {
             warps /= 2;
         }
         // At most one wave: a few blocks past a multiple of the multiprocessors cost a whole second wave (batch 32
-        // at 1k: 5 slices = 160 blocks 498 us, 4 slices = 128 blocks 298 us).
-        let want = (sms / per_split(warps)).clamp(1, tiles);
+        // at 1k: 5 slices = 160 blocks 498 us, 4 slices = 128 blocks 298 us). A wave is as many blocks a
+        // multiprocessor as its shared memory holds: one for 64 heads (every shape of 8 warps or 8 heads a warp
+        // takes over half of it), two for 8 heads in 4 warps (the 8-head sweep's best at 8 x 8k, 8 x 1k and 32 x 1k
+        // was 256 blocks on 132 multiprocessors).
+        let per_sm = (smem / attention_shared_bytes(d, warps, hpw)).max(1);
+        let want = (sms * per_sm / per_split(warps)).clamp(1, tiles);
         let chunk = tiles.div_ceil(want) * 32;
         Some(Self { warps, hpw, splits: max_len.div_ceil(chunk), chunk })
     }

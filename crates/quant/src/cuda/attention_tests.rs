@@ -122,6 +122,15 @@ fn config_fits_shared_memory_and_covers_the_positions() {
             assert!(c.splits * c.chunk >= ctx && c.chunk.is_multiple_of(32), "{c:?}");
         }
     }
+    // A tensor-parallel rank's 8 heads: 2 heads a warp in 4-warp blocks, two blocks a multiprocessor (the 8-head
+    // sweep's best shapes at 8 x 8k, 32 x 1k and 8 x 1k, session 17; 8 heads in one warp took 2.8x as long at 8k).
+    let h8 = |rows, ctx| AttentionConfig::new(rows, 8, ctx, 576, 132, 227 * 1024);
+    assert_eq!(h8(8, 8192), Some(AttentionConfig { warps: 4, hpw: 2, splits: 32, chunk: 256 }));
+    assert_eq!(h8(32, 1024), Some(AttentionConfig { warps: 4, hpw: 2, splits: 8, chunk: 128 }));
+    assert_eq!(h8(8, 1024), Some(AttentionConfig { warps: 4, hpw: 2, splits: 32, chunk: 32 }));
+    assert_eq!(h8(1, 1024), Some(AttentionConfig { warps: 4, hpw: 2, splits: 32, chunk: 32 }));
+    // 16 heads: 4 heads a warp, 4 warps.
+    assert_eq!(AttentionConfig::new(8, 16, 8192, 576, 132, 227 * 1024).map(|c| (c.warps, c.hpw)), Some((4, 4)));
     // A prefill chunk of 1024 rows needs no split.
     assert_eq!(AttentionConfig::new(1024, 64, 1024, 576, 132, 227 * 1024).unwrap().splits, 1);
 }
