@@ -55,21 +55,13 @@ pub struct MmaShape {
     pub tasks_2: usize,
     /// Down: warps sharing a task's columns.
     pub ksplit_2: usize,
-    /// Gate/up: blocks of weights a warp loads ahead (1 or 2; `ExpertMmaSpec::depth`).
-    pub depth_13: usize,
-    /// Down: blocks of weights a warp loads ahead (1 or 2).
-    pub depth_2: usize,
 }
 
 impl MmaShape {
-    /// A launch shape loading one block of weights ahead in both stages.
-    pub const fn new(tasks_13: usize, ksplit_13: usize, tiles_2: usize, tasks_2: usize, ksplit_2: usize) -> Self {
-        Self { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2, depth_13: 1, depth_2: 1 }
-    }
-
     /// The launch shapes the benchmark sweeps (and `cargo xtask kernels` compiles).
     pub fn candidates() -> Vec<Self> {
-        let m = Self::new;
+        let m =
+            |tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2| Self { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2 };
         vec![
             m(4, 2, 2, 4, 2),
             m(2, 4, 1, 8, 1),
@@ -107,7 +99,7 @@ impl MoeConfig {
     pub fn for_tokens(m: usize) -> Self {
         let d = Self::default();
         let mma = |tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2| {
-            Some(MmaShape::new(tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2))
+            Some(MmaShape { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2 })
         };
         // The tensor-core shapes as measured with the tiled layout (session 15, bench/REPORT.md): 8 tokens 463 us
         // with (2, 2) against 477-538; 128 tokens 3440 us with k-split 1 against 3727-4130. One token, each stage's
@@ -656,7 +648,6 @@ fn mma_experts<R: Runtime, A: Float>(
                 spec.by_token,
                 spec.tiled,
                 spec.split_out,
-                spec.depth,
             );
         }
     };

@@ -33,10 +33,8 @@
 //! tile; otherwise `16 tiles` consecutive rows. `ksplit` warps share a task, each taking every `ksplit`-th block
 //! of 128 columns, and add up through shared memory. No activation staging, no barrier before the weight loads:
 //! the B operands come from global memory (L1/L2-resident: every warp of the layer reads the same few KB). A warp
-//! loads its next block while it computes the current one (two register sets), and with `depth` 2 the weights of
-//! the block after that too (a third set of weight registers, the B operands still one block ahead): twice the
-//! weight bytes in flight a warp, where the registers leave room (bench/REPORT.md, session 17; in session 8 a third
-//! set of all operands measured no faster).
+//! loads its next block while it computes the current one (two register sets; a third, two blocks ahead, measured
+//! no faster on the H200: bench/REPORT.md).
 
 use burn::cubecl;
 use cubecl::cmma::MmaDefinition;
@@ -73,15 +71,20 @@ pub fn split_x3_kernel<F: Float>(x: &Array<F>, out: &mut Array<u32>, rows: u32, 
     }
 }
 
-/// Loads the weights of 32-column vector `v` for one lane: rows `g` and `g + 8` of each m tile of the task at
-/// `j0` of expert `e` (16-byte weight vectors and their scale pairs).
+/// Loads the operands of 32-column vector `v` for one lane: rows `g` and `g + 8` of each m tile of the task at
+/// `j0` of expert `e` (16-byte weight vectors and their scale pairs), and the 64 bytes of vector `v` of the lane's
+/// B column in each n tile (zeros where the lane has no column).
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn load_weights<N: Size>(
+fn load_block<N: Size>(
+    xs: &Array<Vector<u32, N>>,
     words: &Array<Vector<u32, N>>,
     scales: &Array<bf16>,
+    xrow: &Array<usize>,
+    xok: &Array<u32>,
     wa: &mut Array<Vector<u32, N>>,
     sa: &mut Array<Vector<bf16, Const<2>>>,
+    xb: &mut Array<Vector<u32, N>>,
     e: usize,
     j0: usize,
     g: usize,
@@ -89,12 +92,14 @@ fn load_weights<N: Size>(
     #[comptime] k: usize,
     #[comptime] rows: usize,
     #[comptime] group: usize,
+    #[comptime] tb: usize,
     #[comptime] tiles: usize,
     #[comptime] gated: bool,
     #[comptime] tiled: bool,
 ) {
     let kv = comptime!(k / 32);
     let ng = comptime!(k / group);
+    let ntiles = comptime!((3 * tb).div_ceil(8));
     let mtiles = comptime!(if gated { 2 } else { tiles });
     let task_rows = comptime!(rows / if gated { 2 } else { 1 });
     #[unroll]
@@ -120,20 +125,6 @@ fn load_weights<N: Size>(
             }
         }
     }
-}
-
-/// Loads the 64 bytes of 32-column vector `v` of the lane's B column in each n tile (zeros where the lane has no
-/// column).
-#[cube]
-fn load_b<N: Size>(
-    xs: &Array<Vector<u32, N>>,
-    xrow: &Array<usize>,
-    xok: &Array<u32>,
-    xb: &mut Array<Vector<u32, N>>,
-    v: usize,
-    #[comptime] tb: usize,
-) {
-    let ntiles = comptime!((3 * tb).div_ceil(8));
     #[unroll]
     for nt in 0..ntiles {
         #[unroll]
@@ -281,7 +272,6 @@ pub fn expert_mma_kernel<N: Size>(
     #[comptime] by_token: bool,
     #[comptime] tiled: bool,
     #[comptime] split_out: bool,
-    #[comptime] depth: usize,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -344,57 +334,66 @@ pub fn expert_mma_kernel<N: Size>(
             }
 
             if active {
-                // Software pipeline: block i's operands are in (wa, sa, xb) while block i + ksplit's B operands
-                // load and its weights (`depth` 1) or block i + 2 ksplit's (`depth` 2: the next block's weights wait
-                // in (wn, sn)); a clamped index keeps every load in range and the loop free of branches (the last
-                // blocks reload themselves).
+                // Software pipeline: block i's operands are in (wa, sa, xb) while block i + ksplit's load; the last
+                // block reloads itself (a clamped index keeps every load in range and the loop free of branches).
                 let mut wa = Array::<Vector<u32, N>>::new(comptime!(2 * if gated { 2 } else { tiles }));
                 let mut sa = Array::<Vector<bf16, Const<2>>>::new(comptime!(2 * if gated { 2 } else { tiles }));
                 let mut xb = Array::<Vector<u32, N>>::new(comptime!(4 * (3 * tb).div_ceil(8)));
                 let mut wn = Array::<Vector<u32, N>>::new(comptime!(2 * if gated { 2 } else { tiles }));
                 let mut sn = Array::<Vector<bf16, Const<2>>>::new(comptime!(2 * if gated { 2 } else { tiles }));
                 let mut xn = Array::<Vector<u32, N>>::new(comptime!(4 * (3 * tb).div_ceil(8)));
-                let mut w2 = Array::<Vector<u32, N>>::new(comptime!(if depth > 1 { 2 * mtiles } else { 1 }));
-                let mut s2 = Array::<Vector<bf16, Const<2>>>::new(comptime!(if depth > 1 { 2 * mtiles } else { 1 }));
                 let mut first = part;
                 if first >= nblk {
                     first = nblk - 1;
                 }
-                let v0 = 4 * first + c;
-                load_weights::<N>(words, scales, &mut wa, &mut sa, e, j0, g, v0, k, rows, group, tiles, gated, tiled);
-                load_b::<N>(xs, &xrow, &xok, &mut xb, v0, tb);
-                if depth > 1 {
-                    let mut second = first + ksplit;
-                    if second >= nblk {
-                        second = nblk - 1;
-                    }
-                    let v1 = 4 * second + c;
-                    load_weights::<N>(
-                        words, scales, &mut wn, &mut sn, e, j0, g, v1, k, rows, group, tiles, gated, tiled,
-                    );
-                }
+                load_block::<N>(
+                    xs,
+                    words,
+                    scales,
+                    &xrow,
+                    &xok,
+                    &mut wa,
+                    &mut sa,
+                    &mut xb,
+                    e,
+                    j0,
+                    g,
+                    4 * first + c,
+                    k,
+                    rows,
+                    group,
+                    tb,
+                    tiles,
+                    gated,
+                    tiled,
+                );
                 let mut i = part;
                 while i < nblk {
                     let mut next = i + ksplit;
                     if next >= nblk {
                         next = nblk - 1;
                     }
-                    if depth > 1 {
-                        let mut ahead = i + 2 * ksplit;
-                        if ahead >= nblk {
-                            ahead = nblk - 1;
-                        }
-                        let va = 4 * ahead + c;
-                        load_weights::<N>(
-                            words, scales, &mut w2, &mut s2, e, j0, g, va, k, rows, group, tiles, gated, tiled,
-                        );
-                    } else {
-                        let vn = 4 * next + c;
-                        load_weights::<N>(
-                            words, scales, &mut wn, &mut sn, e, j0, g, vn, k, rows, group, tiles, gated, tiled,
-                        );
-                    }
-                    load_b::<N>(xs, &xrow, &xok, &mut xn, 4 * next + c, tb);
+                    load_block::<N>(
+                        xs,
+                        words,
+                        scales,
+                        &xrow,
+                        &xok,
+                        &mut wn,
+                        &mut sn,
+                        &mut xn,
+                        e,
+                        j0,
+                        g,
+                        4 * next + c,
+                        k,
+                        rows,
+                        group,
+                        tb,
+                        tiles,
+                        gated,
+                        tiled,
+                    );
 
                     // This block's 8 MMAs per (m tile, n tile), from a zero accumulator.
                     let mut blk = Array::<f32>::new(comptime!(mtiles * (3 * tb).div_ceil(8) * 4));
@@ -431,10 +430,6 @@ pub fn expert_mma_kernel<N: Size>(
                     for q in 0..comptime!(2 * if gated { 2 } else { tiles }) {
                         wa[q] = wn[q];
                         sa[q] = sn[q];
-                        if depth > 1 {
-                            wn[q] = w2[q];
-                            sn[q] = s2[q];
-                        }
                     }
                     #[unroll]
                     for q in 0..comptime!(4 * (3 * tb).div_ceil(8)) {

@@ -189,8 +189,6 @@ pub struct ExpertMmaSpec {
     /// Gated: writes the down launch's input split and permuted (`split_x3_kernel`'s layout) instead of the f32
     /// intermediate (`crate::cuda::gpu::fused_split`).
     pub split_out: bool,
-    /// Blocks of weights a warp loads ahead of the one it computes (1 or 2; the B operands are always 1 ahead).
-    pub depth: usize,
     /// 32- or 64-bit indexing.
     pub address: AddressType,
 }
@@ -211,7 +209,6 @@ impl ExpertMmaSpec {
             by_token: true,
             tiled: s.tiled(),
             split_out: true,
-            depth: m.depth_13,
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -231,7 +228,6 @@ impl ExpertMmaSpec {
             by_token: false,
             tiled: s.tiled(),
             split_out: false,
-            depth: m.depth_2,
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -250,7 +246,6 @@ impl ExpertMmaSpec {
             && rows.is_multiple_of(step)
             && self.tasks > 0
             && self.ksplit > 0
-            && (1..=2).contains(&self.depth)
     }
 
     /// Threads of a block: one warp per `y`.
@@ -272,17 +267,16 @@ impl ExpertMmaSpec {
         (rows / step).div_ceil(self.tasks) as u32
     }
 
-    /// Short label: `mma gate_up k7168 tb1 t2 x4 ks2` (`d2` appended at depth 2).
+    /// Short label: `mma gate_up k7168 tb1 t2 x4 ks2`.
     pub fn label(&self) -> String {
         format!(
-            "mma {} k{} tb{} t{} x{} ks{}{}",
+            "mma {} k{} tb{} t{} x{} ks{}",
             if self.gated { "gate_up" } else { "down" },
             self.k,
             self.tb,
             self.tiles,
             self.tasks,
-            self.ksplit,
-            if self.depth > 1 { " d2" } else { "" }
+            self.ksplit
         )
     }
 }
@@ -562,17 +556,11 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec
     }
     // The tensor-core kernels: every candidate launch shape (the benchmark's sweep) at every tokens-per-pass whose
     // block fits the device's shared memory (the launcher takes the CUDA-core kernels for the others).
-    // At decode widths (1 and 2 tokens a pass) also with the weights two blocks ahead (`gpu_kernels stages` sweeps
-    // both depths).
     for m in MmaShape::candidates() {
         for tb in MMA_TBS {
-            let deep = MmaShape { depth_13: 2, depth_2: 2, ..m };
-            let shapes: &[MmaShape] = if tb <= 2 { &[m, deep] } else { &[m] };
-            for mm in shapes {
-                for spec in [ExpertMmaSpec::gate_up(shape, topk, mm, tb), ExpertMmaSpec::down(shape, topk, mm, tb)] {
-                    if spec.fits() && spec.shared_bytes() <= smem_limit {
-                        push(KernelSpec::ExpertMma { spec });
-                    }
+            for spec in [ExpertMmaSpec::gate_up(shape, topk, &m, tb), ExpertMmaSpec::down(shape, topk, &m, tb)] {
+                if spec.fits() && spec.shared_bytes() <= smem_limit {
+                    push(KernelSpec::ExpertMma { spec });
                 }
             }
         }
@@ -758,7 +746,7 @@ mod tests {
                 }
             }
         }
-        let wide = MmaShape::new(8, 3, 1, 1, 2);
+        let wide = MmaShape { tasks_13: 8, ksplit_13: 3, tiles_2: 1, tasks_2: 1, ksplit_2: 2 };
         assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 1).shared_bytes(), 24_576);
         assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 16).shared_bytes(), 147_456);
         let specs = moe_kernel_specs(&KIMI, 8, sm120);
@@ -814,7 +802,7 @@ mod tests {
 
     #[test]
     fn mma_specs_take_the_shapes_the_kernel_can() {
-        let m = MmaShape::new(2, 2, 2, 4, 2);
+        let m = MmaShape { tasks_13: 2, ksplit_13: 2, tiles_2: 2, tasks_2: 4, ksplit_2: 2 };
         let g = ExpertMmaSpec::gate_up(&KIMI, 8, &m, 1);
         let d = ExpertMmaSpec::down(&KIMI, 8, &m, 1);
         assert!(g.fits() && d.fits());
