@@ -504,8 +504,10 @@ impl BehindCopy {
         Ok((median(&mut t), enqueue))
     }
 
-    /// GPU microseconds per call of `f` after `warm` calls; an error when the host's enqueue of the calls outlasted
-    /// the copy (the time would then include host time).
+    /// GPU microseconds per call of `f` after `warm` calls (16 with the benchmarks' 16 routings: every launch the
+    /// timed calls make has then been compiled; at 8 tokens a routing of the timed calls once compiled a class's
+    /// kernel the warm-up's 4 had not reached); an error when the host's enqueue of the calls outlasted the copy
+    /// (the time would then include host time).
     fn time_us(&self, client: &ComputeClient<R>, warm: usize, iters: usize, mut f: impl FnMut(usize)) -> Result<f64> {
         for i in 0..warm {
             f(i);
@@ -571,10 +573,10 @@ fn run_bench(
         eprintln!("  m={m} fused split {:.1} us, separate split launch {:.1} us", ab[0], ab[1]);
         println!("(m = {m}: intermediate split fused into gate/up {:.1} us, as its own launch {:.1} us)", ab[0], ab[1]);
         let us = time_us(client, 16, 9, 32, |j| fwd(&cfg, Stages::All, j))?;
-        let gpu_us = behind.time_us(client, 8, 16, |j| fwd(&cfg, Stages::All, j))?;
+        let gpu_us = behind.time_us(client, 16, 16, |j| fwd(&cfg, Stages::All, j))?;
         let stage_us: Vec<f64> = [Stages::GateUp, Stages::Down, Stages::Combine]
             .into_iter()
-            .map(|st| behind.time_us(client, 8, 16, |j| fwd(&cfg, st, j)))
+            .map(|st| behind.time_us(client, 16, 16, |j| fwd(&cfg, st, j)))
             .collect::<Result<_>>()?;
         eprintln!(
             "  m={m} best {cfg:?}: {us:.1} us wall, {gpu_us:.1} us GPU; GPU gate/up {:.1}, down {:.1}, combine {:.1}",
@@ -642,7 +644,7 @@ fn run_stage_sweep(
         };
         let time = |mm: MmaShape, st: Stages| -> Result<f64> {
             let cfg = MoeConfig { mma: Some(mm), ..base };
-            behind.time_us(client, 4, 16, |j| fwd(&cfg, st, j))
+            behind.time_us(client, 16, 16, |j| fwd(&cfg, st, j))
         };
         println!(
             "\nm = {m}: gate/up alone (with the input's split; it writes the intermediate split unless EYRIE_MOE_FUSED_SPLIT=0), tuned shape {base_mm:?}"
