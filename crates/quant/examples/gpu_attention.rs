@@ -25,8 +25,8 @@ use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
 use eyrie_quant::cuda::attention::{
-    AttentionConfig, HEADS_PER_WARP, PagedRows, attention_shared_bytes, mla_attention, mla_attention_reference,
-    write_rows,
+    AttentionConfig, FEW_HEADS, HEADS_PER_WARP, PagedRows, attention_shared_bytes, mla_attention,
+    mla_attention_reference, write_rows,
 };
 use eyrie_quant::cuda::copy_bandwidth;
 
@@ -335,7 +335,10 @@ fn main() -> Result<()> {
             let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
             let out = client.empty(batch * heads * r * 4);
             let auto = AttentionConfig::new(batch, heads, ctx, d, sms, smem);
-            for (hpw, warps) in HEADS_PER_WARP.iter().flat_map(|&h| [1usize, 2, 4, 8].map(|w| (h, w))) {
+            // One head a warp too where the heads are few (a tensor-parallel rank's: a block of 8 warps then holds
+            // all 8 heads of a rank under `--tp-size 8`).
+            let hpws = HEADS_PER_WARP.iter().filter(|&&h| h > 1 || heads <= FEW_HEADS);
+            for (hpw, warps) in hpws.flat_map(|&h| [1usize, 2, 4, 8].map(|w| (h, w))) {
                 if attention_shared_bytes(d, warps, hpw) > smem || hpw * warps > heads.next_multiple_of(hpw) {
                     continue;
                 }

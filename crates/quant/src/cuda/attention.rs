@@ -9,9 +9,9 @@
 //! Position `t` of a sequence lives in cache row `table[seq][t / block_size] * block_size + t % block_size`.
 //!
 //! Work split (flash decoding): grid `(splits, rows, head groups)`. A block of `warps` warps (up to 8) owns one
-//! query row, `hpw * warps` heads (`hpw` = 2, 4 or 8 a warp: fewer at small batches over short contexts, where
-//! the grid is small and a warp's chain of dependent work sets the time) and one slice of the row's positions,
-//! which it walks in tiles of 32:
+//! query row, `hpw * warps` heads (`hpw` = 1 (few heads only), 2, 4 or 8 a warp: fewer at small batches over
+//! short contexts, where the grid is small and a warp's chain of dependent work sets the time) and one slice of the
+//! row's positions, which it walks in tiles of 32:
 //! the tile's cache rows are looked up in the page table while the previous tile is being scored, its latents are
 //! gathered into shared memory with 16-byte loads all in flight together (each latent read once for all the
 //! block's heads), lane `t` scores key `t` against the warp's heads (queries in shared memory as vectors of 4
@@ -181,9 +181,15 @@ pub fn attention_shared_bytes(d: usize, warps: usize, hpw: usize) -> usize {
 }
 
 /// Heads a warp of the attention may own: fewer heads a warp is a shorter chain of dependent work a tile (the
-/// batch-1 fixed cost), more heads a warp reads each latent tile into fewer blocks.
-/// One head a warp and 16-warp blocks were measured too (session 13, `gpu_attention --small`): never the fastest.
-pub const HEADS_PER_WARP: [usize; 3] = [2, 4, 8];
+/// batch-1 fixed cost), more heads a warp reads each latent tile into fewer blocks. One head a warp only where the
+/// heads are few ([`FEW_HEADS`]: a block then holds all of a tensor-parallel rank's heads); with Kimi's 64 it was
+/// never the fastest (session 13, `gpu_attention --small`), nor were 16-warp blocks.
+pub const HEADS_PER_WARP: [usize; 4] = [1, 2, 4, 8];
+
+/// At most this many heads (one tensor-parallel rank's share of Kimi's 64 from `--tp-size 4` on), one head a warp
+/// at small batches over short contexts: at 8 heads 22.9-23.3 us against 27.7 with 2 at one row over 1k
+/// (`gpu_attention --heads 8 --sweep`, session 17).
+pub const FEW_HEADS: usize = 16;
 
 /// Launch shape of the attention: warps per block, heads per warp and slices per query row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -233,6 +239,11 @@ impl AttentionConfig {
         while hpw > 2 && heads.div_ceil(hpw) < 4 {
             hpw /= 2;
         }
+        // And at most 128 row tiles (1-4 rows over 1k): one head a warp, the shortest chains (at 8 rows over 1k two
+        // heads a warp were faster: 30.9 us against 33.1).
+        if heads <= FEW_HEADS && rows * tiles <= 128 {
+            hpw = 1;
+        }
         let mut warps = heads.div_ceil(hpw).clamp(1, 8);
         while warps > 1 && attention_shared_bytes(d, warps, hpw) > smem {
             warps -= 1;
@@ -267,6 +278,9 @@ impl AttentionConfig {
     pub fn variants(heads: usize, d: usize, smem: usize) -> Vec<Self> {
         let mut out = Vec::new();
         for hpw in HEADS_PER_WARP {
+            if hpw == 1 && heads > FEW_HEADS {
+                continue;
+            }
             let mut warps = heads.div_ceil(hpw).clamp(1, 8);
             while warps > 1 && attention_shared_bytes(d, warps, hpw) > smem {
                 warps -= 1;

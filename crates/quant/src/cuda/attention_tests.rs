@@ -128,7 +128,13 @@ fn config_fits_shared_memory_and_covers_the_positions() {
     assert_eq!(h8(8, 8192), Some(AttentionConfig { warps: 4, hpw: 2, splits: 32, chunk: 256 }));
     assert_eq!(h8(32, 1024), Some(AttentionConfig { warps: 4, hpw: 2, splits: 8, chunk: 128 }));
     assert_eq!(h8(8, 1024), Some(AttentionConfig { warps: 4, hpw: 2, splits: 32, chunk: 32 }));
-    assert_eq!(h8(1, 1024), Some(AttentionConfig { warps: 4, hpw: 2, splits: 32, chunk: 32 }));
+    // 1-4 rows over 1k: one head a warp, 8 warps (22.9-23.3 us against 27.7 with 2 heads a warp at one row).
+    assert_eq!(h8(1, 1024), Some(AttentionConfig { warps: 8, hpw: 1, splits: 32, chunk: 32 }));
+    assert_eq!(h8(4, 1024).map(|c| (c.warps, c.hpw)), Some((8, 1)));
+    // Kimi's 64 heads never take one head a warp.
+    for rows in [1, 2, 4, 8] {
+        assert_ne!(AttentionConfig::new(rows, 64, 1024, 576, 132, 227 * 1024).unwrap().hpw, 1);
+    }
     // 16 heads: 4 heads a warp, 4 warps.
     assert_eq!(AttentionConfig::new(8, 16, 8192, 576, 132, 227 * 1024).map(|c| (c.warps, c.hpw)), Some((4, 4)));
     // A prefill chunk of 1024 rows needs no split.
@@ -141,7 +147,7 @@ fn variants_cover_every_shape_new_picks() {
     for (sms, smem) in [(132, 227 * 1024), (188, 99 * 1024)] {
         for heads in [64, 32, 16, 8, 4] {
             let variants = AttentionConfig::variants(heads, 576, smem);
-            assert!(!variants.is_empty() && variants.len() <= 4, "{heads} heads: {variants:?}");
+            assert!(!variants.is_empty() && variants.len() <= 5, "{heads} heads: {variants:?}");
             for rows in [1, 2, 3, 4, 8, 16, 17, 33, 64, 128, 256, 2048] {
                 for len in [1, 31, 64, 500, 1024, 4096, 8192, 65536] {
                     let c = AttentionConfig::new(rows, heads, len, 576, sms, smem).unwrap();
