@@ -27,7 +27,7 @@ use burn::cubecl::prelude::*;
 use burn::cubecl::server::Handle;
 use eyrie_quant::cuda::{
     Dequant, GpuExperts, GpuRouting, Mismatch, MmaShape, MoeConfig, MoeExperts, MoeShape, Routing, SplitMix64, Stages,
-    copy_f32, moe_forward_add, moe_forward_with, moe_reference, set_fused_combine, set_fused_split,
+    copy_f32, moe_forward_with, moe_reference, set_fused_split,
 };
 use half::bf16;
 
@@ -284,57 +284,12 @@ fn run_checks(client: &ComputeClient<R>, kimi: Option<(&MoeExperts, &GpuExperts<
             );
         }
     }
-    let combine_differs = !check_fused_combine(client, others[0].0)?;
     let cfg = MoeConfig { mma: Some(cands[cands.len() - 1]), ..MoeConfig::for_tokens(512) };
     let ex = MoeExperts::random(wide, 31)?;
     let gpu = GpuExperts::upload(client, &ex.kernel_layout());
     report(wide, 512, TOPK, compare(&ex, forward(client, &ex, &gpu, 512, TOPK, 600, &cfg)?, TOPK)?);
     failed |= !check_prefill_tbs(client)?;
-    Ok(failed || split_differs || combine_differs)
-}
-
-/// The one-token down launch making the combine itself (`fused_combine`, the default) against the separate combine
-/// launch: the same bits, with the tuned shape and every candidate, and through `moe_forward_add` with a random
-/// addend (the shared experts' output); true when all are bit-identical.
-fn check_fused_combine(client: &ComputeClient<R>, shape: MoeShape) -> Result<bool> {
-    let ex = MoeExperts::random(shape, 7)?;
-    let gpu = GpuExperts::upload(client, &ex.kernel_layout());
-    let mut all_same = true;
-    let mut shapes = vec![MoeConfig::for_tokens(1).mma];
-    shapes.extend(MmaShape::candidates().into_iter().map(Some));
-    for (i, mm) in shapes.into_iter().enumerate() {
-        // `moe_forward_add` takes the tuned shape: the addend once, with it.
-        let adds: &[bool] = if i == 0 { &[false, true] } else { &[false] };
-        for &add in adds {
-            let mut rng = SplitMix64::new(1000 + i as u64);
-            let x = client.create_from_slice(bf16::as_bytes(&rng.activations(shape.hidden)));
-            let (ids, weights) = rng.routing(1, TOPK, shape.experts);
-            let routing = GpuRouting::upload(client, &Routing::new(&ids, 1, TOPK, shape.experts)?, &weights);
-            let addend = client.create_from_slice(f32::as_bytes(&rng.signed(shape.hidden)));
-            let cfg = MoeConfig { mma: mm, ..MoeConfig::for_tokens(1) };
-            let mut outs = Vec::new();
-            for fused in [true, false] {
-                set_fused_combine(fused);
-                let out = client.empty(shape.hidden * 4);
-                if add {
-                    moe_forward_add::<_, bf16>(client, &gpu, &x, &routing, &addend, &out);
-                } else {
-                    moe_forward_with::<_, bf16>(client, &gpu, &x, &routing, &out, &cfg, Stages::All);
-                }
-                let bytes = client.read_one(out).map_err(|e| anyhow::anyhow!("read: {e:?}"))?;
-                outs.push(f32::from_bytes(&bytes).to_vec());
-            }
-            set_fused_combine(true);
-            let same = outs[0].iter().zip(&outs[1]).all(|(a, b)| a.to_bits() == b.to_bits());
-            all_same &= same;
-            let what = if add { "tuned shape, with the addend".to_string() } else { format!("{mm:?}") };
-            println!(
-                "| fused combine == combine launch, {what} | 1 | {TOPK} | - | - | - | - | - | {} |",
-                if same { "ok (bit-identical)" } else { "FAIL (bits differ)" }
-            );
-        }
-    }
-    Ok(all_same)
+    Ok(failed || split_differs)
 }
 
 /// The tensor-core path at a prefill width (512 tokens of top-8 over 16 experts of 1024 x 512: ~256 tokens an
@@ -607,7 +562,6 @@ fn run_bench(
             }
         }
         let cfg = best.1;
-        let mut combine_ab = None;
         // The intermediate's split fused into the gate/up launch (default) against its own launch, alternated.
         let mut ab = [f64::INFINITY; 2];
         for k in 0..4 {
@@ -618,18 +572,6 @@ fn run_bench(
         set_fused_split(true);
         eprintln!("  m={m} fused split {:.1} us, separate split launch {:.1} us", ab[0], ab[1]);
         println!("(m = {m}: intermediate split fused into gate/up {:.1} us, as its own launch {:.1} us)", ab[0], ab[1]);
-        if m == 1 {
-            // The combine made by the down launch (default at one token) against its own launch, GPU time.
-            let mut cd = [f64::INFINITY; 2];
-            for k in 0..4 {
-                set_fused_combine(k % 2 == 0);
-                let t = behind.time_us(client, 16, 16, |j| fwd(&cfg, Stages::All, j))?;
-                cd[k % 2] = cd[k % 2].min(t);
-            }
-            set_fused_combine(true);
-            println!("(m = 1: combine in the down launch {:.1} us GPU, as its own launch {:.1} us GPU)", cd[0], cd[1]);
-            combine_ab = Some(cd);
-        }
         let us = time_us(client, 16, 9, 32, |j| fwd(&cfg, Stages::All, j))?;
         let gpu_us = behind.time_us(client, 16, 16, |j| fwd(&cfg, Stages::All, j))?;
         let stage_us: Vec<f64> = [Stages::GateUp, Stages::Down, Stages::Combine]
@@ -659,7 +601,6 @@ fn run_bench(
             "config": format!("{cfg:?}"),
             "gpu_stage_us": {"gate_up": stage_us[0], "down": stage_us[1], "combine": stage_us[2]},
             "fused_split_us": ab[0], "separate_split_us": ab[1],
-            "fused_combine_gpu_us": combine_ab.map(|c| c[0]), "separate_combine_gpu_us": combine_ab.map(|c| c[1]),
         }));
         drop::<(Handle, Handle)>((x, out));
     }
@@ -725,9 +666,7 @@ fn run_stage_sweep(
                 }
             }
         }
-        println!(
-            "\nm = {m}: down alone (plus the intermediate's split launch when EYRIE_MOE_FUSED_SPLIT=0; at one token with the combine unless EYRIE_MOE_FUSED_COMBINE=0)"
-        );
+        println!("\nm = {m}: down alone (plus the intermediate's split launch when EYRIE_MOE_FUSED_SPLIT=0)");
         println!("| tiles | tasks | k-split | warps | GPU us |\n|---|---|---|---|---|");
         let mut best2 = (f64::INFINITY, base_mm);
         let mut rows2 = Vec::new();

@@ -288,7 +288,7 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                 KernelSpec::ExpertMma { spec: s } => json!({
                     "k": s.k, "rows": s.rows, "group": s.group, "topk": s.topk, "tb": s.tb, "tiles": s.tiles,
                     "tasks": s.tasks, "ksplit": s.ksplit, "gated": s.gated, "by_token": s.by_token, "tiled": s.tiled,
-                    "split_out": s.split_out, "combine": s.combine, "add": s.add, "address": format!("{:?}", s.address),
+                    "address": format!("{:?}", s.address),
                 }),
                 KernelSpec::SplitX3 { act, k } => json!({"act": act.name(), "k": k}),
                 KernelSpec::Combine { hidden, topk, add, address } => {

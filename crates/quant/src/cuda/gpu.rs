@@ -444,16 +444,8 @@ fn moe_forward_inner<R: Runtime, A: Float>(
         let h_bytes = if fused { 4 } else { n_pairs * s.inter * 4 };
         let [h, y, xs, hs] =
             scratch(client, [h_bytes, n_pairs * s.hidden * 4, routing.m * 3 * s.hidden * 2, n_pairs * 3 * s.inter * 2]);
-        // One token: the down launch makes the combine too, where its block fits.
-        let smem = client.properties().hardware.max_shared_memory_size;
-        let down_combine = (routing.m == 1 && fused_combine())
-            .then(|| ExpertMmaSpec::down_combine(&s, routing.topk, &mm, addend.is_some()))
-            .filter(|spec| spec.fits() && spec.shared_bytes() <= smem);
-        let fin = down_combine.map(|spec| (spec, out, addend));
-        mma_experts::<R, A>(client, experts, x, routing, [&h, &y, &xs, &hs], cfg, &mm, stages, fused, fin);
-        if fin.is_none() {
-            combine(client, &s, routing, &y, out, stages, addend);
-        }
+        mma_experts::<R, A>(client, experts, x, routing, [&h, &y, &xs, &hs], cfg, &mm, stages, fused);
+        combine(client, &s, routing, &y, out, stages, addend);
         return;
     }
     let [h, y] = scratch(client, [n_pairs * s.inter * 4, n_pairs * s.hidden * 4]);
@@ -547,59 +539,25 @@ fn moe_forward_inner<R: Runtime, A: Float>(
 /// saving the intermediate's `split_x3` launch; `EYRIE_MOE_FUSED_SPLIT=0` (or [`set_fused_split`]) keeps the
 /// separate launch, for same-binary comparisons. Both give the same bits.
 pub fn fused_split() -> bool {
-    FUSED_SPLIT.get()
+    use std::sync::atomic::Ordering;
+    match FUSED_SPLIT.load(Ordering::Relaxed) {
+        0 => false,
+        1 => true,
+        _ => {
+            let on = std::env::var("EYRIE_MOE_FUSED_SPLIT").map_or(true, |v| v != "0");
+            FUSED_SPLIT.store(u8::from(on), Ordering::Relaxed);
+            on
+        }
+    }
 }
 
 /// Sets [`fused_split`] for the process.
 pub fn set_fused_split(on: bool) {
-    FUSED_SPLIT.set(on);
+    FUSED_SPLIT.store(u8::from(on), std::sync::atomic::Ordering::Relaxed);
 }
 
-/// Whether the tensor-core down launch of one token makes the weighted combine itself (`ExpertMmaSpec::combine`),
-/// saving the combine launch and the experts' `[topk, hidden]` outputs' round trip; `EYRIE_MOE_FUSED_COMBINE=0` (or
-/// [`set_fused_combine`]) keeps the separate launch. Both give the same bits.
-pub fn fused_combine() -> bool {
-    FUSED_COMBINE.get()
-}
-
-/// Sets [`fused_combine`] for the process.
-pub fn set_fused_combine(on: bool) {
-    FUSED_COMBINE.set(on);
-}
-
-static FUSED_SPLIT: Switch = Switch::new("EYRIE_MOE_FUSED_SPLIT");
-static FUSED_COMBINE: Switch = Switch::new("EYRIE_MOE_FUSED_COMBINE");
-
-/// A process-wide switch, on unless its environment variable is "0" (read once), or set by the program (for
-/// same-binary comparisons).
-struct Switch {
-    env: &'static str,
-    /// 0 off, 1 on, 2 not read from the environment yet.
-    state: std::sync::atomic::AtomicU8,
-}
-
-impl Switch {
-    const fn new(env: &'static str) -> Self {
-        Self { env, state: std::sync::atomic::AtomicU8::new(2) }
-    }
-
-    fn get(&self) -> bool {
-        use std::sync::atomic::Ordering;
-        match self.state.load(Ordering::Relaxed) {
-            0 => false,
-            1 => true,
-            _ => {
-                let on = std::env::var(self.env).map_or(true, |v| v != "0");
-                self.state.store(u8::from(on), Ordering::Relaxed);
-                on
-            }
-        }
-    }
-
-    fn set(&self, on: bool) {
-        self.state.store(u8::from(on), std::sync::atomic::Ordering::Relaxed);
-    }
-}
+/// [`fused_split`]: 0 off, 1 on, 2 not read from the environment yet.
+static FUSED_SPLIT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
 
 /// Whether every launch of the tensor-core path takes `shape` under `mm`.
 fn mma_fits(shape: &MoeShape, topk: usize, mm: &MmaShape, cfg: &MoeConfig, smem_limit: usize) -> bool {
@@ -630,8 +588,7 @@ fn split_x3<R: Runtime, A: Float>(client: &ComputeClient<R>, x: &Handle, out: &H
 }
 
 /// The experts on tensor cores: split the input, gate/up (one launch per class; `fused`: it writes the split
-/// intermediate), split the intermediate (unless `fused`), down (`fin`: the one-token down launch with the combine,
-/// into the layer's output, plus the addend).
+/// intermediate), split the intermediate (unless `fused`), down.
 #[allow(clippy::too_many_arguments)]
 fn mma_experts<R: Runtime, A: Float>(
     client: &ComputeClient<R>,
@@ -643,12 +600,10 @@ fn mma_experts<R: Runtime, A: Float>(
     mm: &MmaShape,
     stages: Stages,
     fused: bool,
-    fin: Option<(ExpertMmaSpec, &Handle, Option<&Handle>)>,
 ) {
     let s = experts.shape;
     let n_pairs = routing.m * routing.topk;
     let hs_len = n_pairs * 3 * s.inter / 2;
-    let out_len = routing.m * s.hidden;
     let launch = |spec: ExpertMmaSpec,
                   class: usize,
                   input: &Handle,
@@ -662,25 +617,12 @@ fn mma_experts<R: Runtime, A: Float>(
             return;
         }
         let words_len = s.experts * spec.rows * spec.k / 32;
-        // The combine's output and addend (the layer's, with `combine`); otherwise unread stand-ins: the one of
-        // (h, y) that is not `o`, and the routing weights.
-        let (f, f_len, add, add_len) = match fin {
-            Some((_, out, addend)) if spec.combine => (out, out_len, addend.unwrap_or(out), out_len),
-            _ if std::ptr::eq(o, h) => (y, n_pairs * s.hidden, &routing.weights, n_pairs),
-            _ => (h, if fused { 1 } else { n_pairs * s.inter }, &routing.weights, n_pairs),
-        };
-        let count = if spec.combine {
-            CubeCount::Static(spec.row_tiles(), 1, 1)
-        } else {
-            CubeCount::Static(spec.row_tiles(), grid, 1)
-        };
         // SAFETY: every buffer is passed with its true length (in 16-byte vectors for `input` and `w`); indices
-        // stay inside them by construction, as for `expert_rows_kernel` above (with `combine`, one token: the
-        // block's `topk` warp groups take the class's `topk` slots, each of one pair).
+        // stay inside them by construction, as for `expert_rows_kernel` above.
         unsafe {
             expert_mma_kernel::launch_unchecked::<R>(
                 client,
-                count,
+                CubeCount::Static(spec.row_tiles(), grid, 1),
                 spec.cube_dim(),
                 spec.address,
                 VEC,
@@ -693,9 +635,6 @@ fn mma_experts<R: Runtime, A: Float>(
                 arg(o, o_len),
                 arg(hs, hs_len),
                 arg(&routing.bounds, 4),
-                arg(&routing.weights, n_pairs),
-                arg(add, add_len),
-                arg(f, f_len),
                 class as u32,
                 spec.k,
                 spec.rows,
@@ -709,8 +648,6 @@ fn mma_experts<R: Runtime, A: Float>(
                 spec.by_token,
                 spec.tiled,
                 spec.split_out,
-                spec.combine,
-                spec.add,
             );
         }
     };
@@ -728,10 +665,7 @@ fn mma_experts<R: Runtime, A: Float>(
             split_x3::<R, f32>(client, h, hs, n_pairs, s.inter);
         }
         for (class, tb) in mma_class_tbs(cfg).into_iter().enumerate() {
-            let spec = match fin {
-                Some((spec, _, _)) if class == 0 => spec,
-                _ => ExpertMmaSpec::down(&s, routing.topk, mm, tb),
-            };
+            let spec = ExpertMmaSpec::down(&s, routing.topk, mm, tb);
             launch(spec, class, hs, n_pairs * 3 * s.inter / 8, &experts.w2, &experts.s2, y, n_pairs * s.hidden);
         }
     }

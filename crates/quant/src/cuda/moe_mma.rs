@@ -244,12 +244,7 @@ pub(crate) fn token_sum(acc: &Array<f32>, t: usize, h: usize, mt: usize, c: usiz
 /// - `xs`: split-permuted activations ([`split_x3_kernel`]) as 16-byte vectors, `[*, 3, k / 8]`; row `pair / topk`
 ///   (`by_token`, the layer input) or `pair` (the intermediate).
 /// - `words`, `scales`, `experts`, `offsets`, `pairs`, `bounds`, `class`: as `expert_rows_kernel`.
-/// - `out`: `gated`: `[pairs, rows / 2]`, `silu(gate unit) * up unit`; else `[pairs, rows]` (not written with
-///   `combine`).
-/// - `combine` (down at one token, `topk` slots of one token each, grid `(row tiles, 1)`, `topk x ksplit` warps, one
-///   task a block): the layer's output `fin` (`[rows]`) = `sum_k weights[k] * y_k` (`+ addend` with `add`), in
-///   `combine_kernel`'s order and operations, so the same bits without the `[pairs, rows]` round trip and its
-///   launch.
+/// - `out`: `gated`: `[pairs, rows / 2]`, `silu(gate unit) * up unit`; else `[pairs, rows]`.
 ///
 /// `k` a multiple of 128; the task rows (`rows / 2` gated, else `rows`) a multiple of 16 (`16 tiles` ungated).
 #[cube(launch_unchecked, address_type = "dynamic")]
@@ -264,9 +259,6 @@ pub fn expert_mma_kernel<N: Size>(
     out: &mut Array<f32>,
     hs_out: &mut Array<u32>,
     bounds: &Array<u32>,
-    weights: &Array<f32>,
-    addend: &Array<f32>,
-    fin: &mut Array<f32>,
     class: u32,
     #[comptime] k: usize,
     #[comptime] rows: usize,
@@ -280,8 +272,6 @@ pub fn expert_mma_kernel<N: Size>(
     #[comptime] by_token: bool,
     #[comptime] tiled: bool,
     #[comptime] split_out: bool,
-    #[comptime] combine: bool,
-    #[comptime] add: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -299,23 +289,15 @@ pub fn expert_mma_kernel<N: Size>(
     // Gated launches may write the down launch's split input instead of the f32 intermediate.
     let split = comptime!(split_out && gated);
 
-    // `combine` (one token, down): the block's warps are `topk` groups of `ksplit`, group `s` computing slot `s`
-    // (expert `s` of the token's `topk`) for the block's one task; the weighted sum is then made in the block.
-    let slot_warps = comptime!(tasks * ksplit);
-    let groups = comptime!(if combine { topk } else { 1 });
-    let mut red = SharedMemory::<f32>::new(comptime!(if ksplit > 1 { groups * tasks * ksplit * nacc * 32 } else { 1 }));
-    let mut cmb = SharedMemory::<f32>::new(comptime!(if combine { topk * 16 * tiles } else { 1 }));
+    let mut red = SharedMemory::<f32>::new(comptime!(if ksplit > 1 { tasks * ksplit * nacc * 32 } else { 1 }));
 
-    let task = CUBE_POS_X as usize * tasks + (warp % slot_warps) / ksplit;
+    let task = CUBE_POS_X as usize * tasks + warp / ksplit;
     let part = warp % ksplit;
     let j0 = task * step;
     let active = j0 < task_rows;
 
     let class_end = bounds[class as usize + 1] as usize;
     let mut slot = bounds[class as usize] as usize + CUBE_POS_Y as usize;
-    if combine {
-        slot = bounds[class as usize] as usize + warp / slot_warps;
-    }
     while slot < class_end {
         let e = experts[slot] as usize;
         let start = offsets[slot] as usize;
@@ -489,14 +471,6 @@ pub fn expert_mma_kernel<N: Size>(
                                     let word = split_part(v, c) | (split_part(w, c) << 16u32);
                                     hs_out[(p * 3 + c) * comptime!(rows / 4) + j] = word;
                                 }
-                            } else if combine {
-                                // The expert's rows for the token's `p % topk`-th weight, summed below in that order.
-                                if c == 0 {
-                                    #[unroll]
-                                    for mt in 0..mtiles {
-                                        cmb[(p % topk) * comptime!(16 * tiles) + 16 * mt + g + 8 * h] = vals[mt];
-                                    }
-                                }
                             } else {
                                 if c == 0 {
                                     let r = j0 + g + 8 * h;
@@ -517,27 +491,6 @@ pub fn expert_mma_kernel<N: Size>(
             }
         }
         slot += CUBE_COUNT_Y as usize;
-        if combine {
-            slot = class_end;
-        }
-    }
-    if combine {
-        // `combine_kernel`'s sum for the block's rows of the one token, in the same order and the same operations:
-        // `sum_k weights[k] * y_k`, then the addend.
-        sync_cube();
-        let tid = UNIT_POS as usize;
-        if tid < comptime!(16 * tiles) && active {
-            let r = j0 + tid;
-            let mut sum = f32::new(0.0);
-            #[unroll]
-            for kk in 0..topk {
-                sum += weights[kk] * cmb[kk * comptime!(16 * tiles) + tid];
-            }
-            if add {
-                sum += addend[r];
-            }
-            fin[r] = sum;
-        }
     }
 }
 

@@ -168,9 +168,6 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
     let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
     let hs_out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
     let bounds = <Array<u32> as LaunchArg>::expand(&a, &mut b);
-    let weights = <Array<f32> as LaunchArg>::expand(&a, &mut b);
-    let addend = <Array<f32> as LaunchArg>::expand(&a, &mut b);
-    let fin = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
     let class = <u32 as LaunchArg>::expand(&(), &mut b);
     expert_mma_kernel::expand::<N>(
         &mut b.scope,
@@ -184,9 +181,6 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
         out,
         hs_out,
         bounds,
-        weights,
-        addend,
-        fin,
         class,
         s.k,
         s.rows,
@@ -200,8 +194,6 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
         s.by_token,
         s.tiled,
         s.split_out,
-        s.combine,
-        s.add,
     );
     let name = format!("expert_mma_kernel_n_{VEC}");
     b.build(KernelSettings::default().cube_dim(s.cube_dim()).address_type(s.address).kernel_name(name))

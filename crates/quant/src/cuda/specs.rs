@@ -189,11 +189,6 @@ pub struct ExpertMmaSpec {
     /// Gated: writes the down launch's input split and permuted (`split_x3_kernel`'s layout) instead of the f32
     /// intermediate (`crate::cuda::gpu::fused_split`).
     pub split_out: bool,
-    /// Down at one token: the block's `topk x ksplit` warps compute the token's experts for one task and write the
-    /// weighted sum (`crate::cuda::gpu::fused_combine`); `tasks` 1, `tb` 1.
-    pub combine: bool,
-    /// With `combine`: plus the addend (the shared experts' output).
-    pub add: bool,
     /// 32- or 64-bit indexing.
     pub address: AddressType,
 }
@@ -214,8 +209,6 @@ impl ExpertMmaSpec {
             by_token: true,
             tiled: s.tiled(),
             split_out: true,
-            combine: false,
-            add: false,
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -235,15 +228,8 @@ impl ExpertMmaSpec {
             by_token: false,
             tiled: s.tiled(),
             split_out: false,
-            combine: false,
-            add: false,
             address: AddressType::from_len(experts_len(s)),
         }
-    }
-
-    /// The down launch of one token with the combine (`add`: plus the addend), under `m`'s down tiles and k-split.
-    pub fn down_combine(s: &MoeShape, topk: usize, m: &MmaShape, add: bool) -> Self {
-        Self { tasks: 1, combine: true, add, ..Self::down(s, topk, m, 1) }
     }
 
     /// Rows of the task dimension (`rows / 2` units gated) and the rows one task covers.
@@ -260,27 +246,19 @@ impl ExpertMmaSpec {
             && rows.is_multiple_of(step)
             && self.tasks > 0
             && self.ksplit > 0
-            && (!self.combine || (!self.gated && self.tb == 1 && self.tasks == 1 && self.topk * self.ksplit <= 32))
     }
 
     /// Threads of a block: one warp per `y`.
     pub fn cube_dim(&self) -> CubeDim {
-        CubeDim::new_2d(32, (self.tasks * self.ksplit * self.groups()) as u32)
+        CubeDim::new_2d(32, (self.tasks * self.ksplit) as u32)
     }
 
-    /// Warp groups of a block: `topk` with `combine` (one per slot), else 1.
-    fn groups(&self) -> usize {
-        if self.combine { self.topk } else { 1 }
-    }
-
-    /// Shared memory of a block, bytes: the k-split warps' accumulators (`tasks x ksplit` warps, times `topk`
-    /// with `combine`, of `mtiles x ntiles x 4` floats a lane), the kernel's `red`, and with `combine` the experts'
-    /// rows (`cmb`).
+    /// Shared memory of a block, bytes: the k-split warps' accumulators (`tasks x ksplit` warps of `mtiles x
+    /// ntiles x 4` floats a lane), the kernel's `red`.
     pub fn shared_bytes(&self) -> usize {
         let mtiles = if self.gated { 2 } else { self.tiles };
         let nacc = mtiles * (3 * self.tb).div_ceil(8) * 4;
-        let red = if self.ksplit > 1 { self.groups() * self.tasks * self.ksplit * nacc * 32 * 4 } else { 4 };
-        red + if self.combine { self.topk * 16 * self.tiles * 4 } else { 4 }
+        if self.ksplit > 1 { self.tasks * self.ksplit * nacc * 32 * 4 } else { 4 }
     }
 
     /// Blocks along `x` for one active expert.
@@ -298,8 +276,8 @@ impl ExpertMmaSpec {
             self.tb,
             self.tiles,
             self.tasks,
-            self.ksplit,
-        ) + if self.combine { if self.add { " combine+add" } else { " combine" } } else { "" }
+            self.ksplit
+        )
     }
 }
 
@@ -587,17 +565,6 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec
             }
         }
     }
-    // The one-token down launch with the combine (`fused_combine`), with and without the addend, under the tuned
-    // one-token shape and every candidate.
-    let one = MoeConfig::for_tokens(1).fit_shared_memory(shape, smem_limit).mma;
-    for m in one.into_iter().chain(MmaShape::candidates()) {
-        for add in [false, true] {
-            let spec = ExpertMmaSpec::down_combine(shape, topk, &m, add);
-            if spec.fits() && spec.shared_bytes() <= smem_limit {
-                push(KernelSpec::ExpertMma { spec });
-            }
-        }
-    }
     for act in [Act::Bf16, Act::F32] {
         push(KernelSpec::SplitX3 { act, k: shape.hidden });
     }
@@ -780,24 +747,11 @@ mod tests {
             }
         }
         let wide = MmaShape { tasks_13: 8, ksplit_13: 3, tiles_2: 1, tasks_2: 1, ksplit_2: 2 };
-        // The k-split accumulators, plus the one float of the unused combine buffer.
-        assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 1).shared_bytes(), 24_576 + 4);
-        assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 16).shared_bytes(), 147_456 + 4);
-        // The one-token down launch with the combine: 8 slots x 2 k-split warps' accumulators and 8 x 16 rows.
-        let one = MoeConfig::for_tokens(1).mma.unwrap();
-        for add in [false, true] {
-            let spec = ExpertMmaSpec::down_combine(&KIMI, 8, &one, add);
-            assert!(spec.fits(), "{}", spec.label());
-            assert_eq!(spec.shared_bytes(), 8 * 2 * 4 * 32 * 4 + 8 * 16 * 4);
-            assert_eq!((spec.cube_dim().x, spec.cube_dim().y), (32, 16));
-        }
+        assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 1).shared_bytes(), 24_576);
+        assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 16).shared_bytes(), 147_456);
         let specs = moe_kernel_specs(&KIMI, 8, sm120);
         assert!(!specs.contains(&KernelSpec::ExpertMma { spec: ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 16) }));
         assert!(specs.contains(&KernelSpec::ExpertMma { spec: ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 1) }));
-        assert!(specs.contains(&KernelSpec::ExpertMma { spec: ExpertMmaSpec::down_combine(&KIMI, 8, &one, true) }));
-        // More warps than a block holds (top-k x k-split > 32) or more than one token a pass: not taken.
-        assert!(!ExpertMmaSpec { ksplit: 5, ..ExpertMmaSpec::down_combine(&KIMI, 8, &one, false) }.fits());
-        assert!(!ExpertMmaSpec { tb: 2, ..ExpertMmaSpec::down_combine(&KIMI, 8, &one, false) }.fits());
     }
 
     #[test]
