@@ -26,8 +26,8 @@ use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use burn::cubecl::server::Handle;
 use eyrie_quant::cuda::{
-    Dequant, GpuExperts, GpuRouting, Mismatch, MmaShape, MoeConfig, MoeExperts, MoeShape, Routing, SplitMix64, Stages,
-    copy_f32, moe_forward_with, moe_reference, set_fused_split,
+    BehindCopy, Dequant, GpuExperts, GpuRouting, Mismatch, MmaShape, MoeConfig, MoeExperts, MoeShape, Routing,
+    SplitMix64, Stages, copy_f32, moe_forward_with, moe_reference, set_fused_split,
 };
 use half::bf16;
 
@@ -466,64 +466,6 @@ fn time_us(client: &ComputeClient<R>, warm: usize, reps: usize, iters: usize, mu
     Ok(median(&mut times))
 }
 
-/// GPU time per call, hidden from the host: a 2 GiB copy is queued first, then `iters` calls, and the time of
-/// (copy + calls) less the copy's own, medians of 7, is divided by `iters`. The host's enqueue of the calls (for
-/// these launches ~10 us each, longer than the short kernels themselves, which a wall clock over back-to-back
-/// calls would measure instead) runs while the GPU copies.
-struct BehindCopy {
-    src: Handle,
-    dst: Handle,
-    floats: usize,
-    copy_s: f64,
-}
-
-impl BehindCopy {
-    fn new(client: &ComputeClient<R>) -> Result<Self> {
-        let floats = 1usize << 29;
-        let (src, dst) = (client.empty(floats * 4), client.empty(floats * 4));
-        let mut me = Self { src, dst, floats, copy_s: 0.0 };
-        me.copy_s = me.median7(client, 0, |_| {})?.0;
-        Ok(me)
-    }
-
-    /// Median of 7 (copy + `iters` calls) in seconds, and the longest host enqueue of the calls.
-    fn median7(&self, client: &ComputeClient<R>, iters: usize, mut f: impl FnMut(usize)) -> Result<(f64, f64)> {
-        let (mut t, mut enqueue) = (Vec::with_capacity(7), 0.0f64);
-        for r in 0..7 {
-            sync(client)?;
-            let t0 = Instant::now();
-            copy_f32(client, &self.src, &self.dst, self.floats);
-            let t1 = Instant::now();
-            for i in 0..iters {
-                f(r * iters + i);
-            }
-            enqueue = enqueue.max(t1.elapsed().as_secs_f64());
-            sync(client)?;
-            t.push(t0.elapsed().as_secs_f64());
-        }
-        Ok((median(&mut t), enqueue))
-    }
-
-    /// GPU microseconds per call of `f` after `warm` calls (16 with the benchmarks' 16 routings: every launch the
-    /// timed calls make has then been compiled; at 8 tokens a routing of the timed calls once compiled a class's
-    /// kernel the warm-up's 4 had not reached); an error when the host's enqueue of the calls outlasted the copy
-    /// (the time would then include host time).
-    fn time_us(&self, client: &ComputeClient<R>, warm: usize, iters: usize, mut f: impl FnMut(usize)) -> Result<f64> {
-        for i in 0..warm {
-            f(i);
-        }
-        let (t, enqueue) = self.median7(client, iters, f)?;
-        if enqueue > 0.9 * self.copy_s {
-            bail!(
-                "host enqueue of {iters} calls took {:.0} us, the copy hiding it {:.0} us: use fewer calls",
-                enqueue * 1e6,
-                self.copy_s * 1e6
-            );
-        }
-        Ok((t - self.copy_s) * 1e6 / iters as f64)
-    }
-}
-
 fn run_bench(
     client: &ComputeClient<R>,
     kimi: &MoeExperts,
@@ -542,7 +484,7 @@ fn run_bench(
     drop((src, dst));
     println!("device-to-device copy (CubeCL kernel, 1 GiB, read + write bytes): {copy_gbs:.0} GB/s");
 
-    let behind = BehindCopy::new(client)?;
+    let behind = BehindCopy::new(client).map_err(anyhow::Error::msg)?;
     println!(
         "| m | active experts | us (wall) | GPU us (behind a copy) | bytes moved (MB) | GB/s (GPU) | % of copy BW (GPU; wall) | tokens/expert (max) |"
     );
@@ -573,10 +515,10 @@ fn run_bench(
         eprintln!("  m={m} fused split {:.1} us, separate split launch {:.1} us", ab[0], ab[1]);
         println!("(m = {m}: intermediate split fused into gate/up {:.1} us, as its own launch {:.1} us)", ab[0], ab[1]);
         let us = time_us(client, 16, 9, 32, |j| fwd(&cfg, Stages::All, j))?;
-        let gpu_us = behind.time_us(client, 16, 16, |j| fwd(&cfg, Stages::All, j))?;
+        let gpu_us = behind.time_us(client, 16, 16, |j| fwd(&cfg, Stages::All, j)).map_err(anyhow::Error::msg)?;
         let stage_us: Vec<f64> = [Stages::GateUp, Stages::Down, Stages::Combine]
             .into_iter()
-            .map(|st| behind.time_us(client, 16, 16, |j| fwd(&cfg, st, j)))
+            .map(|st| behind.time_us(client, 16, 16, |j| fwd(&cfg, st, j)).map_err(anyhow::Error::msg))
             .collect::<Result<_>>()?;
         eprintln!(
             "  m={m} best {cfg:?}: {us:.1} us wall, {gpu_us:.1} us GPU; GPU gate/up {:.1}, down {:.1}, combine {:.1}",
@@ -634,7 +576,7 @@ fn run_stage_sweep(
 ) -> Result<()> {
     let s = kimi.shape();
     let mut out = Vec::new();
-    let behind = BehindCopy::new(client)?;
+    let behind = BehindCopy::new(client).map_err(anyhow::Error::msg)?;
     for (i, &m) in ms.iter().enumerate() {
         let BenchInputs { x, out: y, routings, .. } = bench_inputs(client, &s, m, 2000 + i as u64)?;
         let base = MoeConfig::for_tokens(m);
@@ -644,7 +586,7 @@ fn run_stage_sweep(
         };
         let time = |mm: MmaShape, st: Stages| -> Result<f64> {
             let cfg = MoeConfig { mma: Some(mm), ..base };
-            behind.time_us(client, 16, 16, |j| fwd(&cfg, st, j))
+            behind.time_us(client, 16, 16, |j| fwd(&cfg, st, j)).map_err(anyhow::Error::msg)
         };
         println!(
             "\nm = {m}: gate/up alone (with the input's split; it writes the intermediate split unless EYRIE_MOE_FUSED_SPLIT=0), tuned shape {base_mm:?}"

@@ -45,6 +45,6 @@ pub use reference::{Dequant, Mismatch, moe_reference};
 
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    GpuExperts, GpuRouting, MmaShape, MoeConfig, RoutingReadback, Stages, copy_bandwidth, copy_f32, fused_split,
-    moe_forward, moe_forward_add, moe_forward_with, set_fused_split,
+    BehindCopy, GpuExperts, GpuRouting, MmaShape, MoeConfig, RoutingReadback, Stages, copy_bandwidth, copy_f32,
+    fused_split, moe_forward, moe_forward_add, moe_forward_with, set_fused_split,
 };
