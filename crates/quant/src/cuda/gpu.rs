@@ -9,7 +9,7 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 use super::experts::{KernelLayout, MoeShape, Routing};
-use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
+use super::kernels::{WEIGHT_BIAS, combine_kernel, copy_kernel, expert_rows_kernel};
 use super::moe_mma::{expert_mma_kernel, split_x3_kernel};
 use super::specs::{ExpertMmaSpec, ExpertRowsSpec, class_tbs, mma_class_tbs};
 
@@ -636,6 +636,7 @@ fn mma_experts<R: Runtime, A: Float>(
                 arg(hs, hs_len),
                 arg(&routing.bounds, 4),
                 class as u32,
+                WEIGHT_BIAS,
                 spec.k,
                 spec.rows,
                 spec.group,

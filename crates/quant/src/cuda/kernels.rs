@@ -23,11 +23,23 @@ use burn::cubecl;
 use cubecl::prelude::*;
 use half::bf16;
 
+/// The BF16 pair `(128, 128)`: OR-ed over a word's nibble pair it makes `(128 + u_p, 128 + u_(p+4))` exactly
+/// ([`weight_pair`]).
+pub const WEIGHT_BIAS: u32 = 0x4300_4300;
+
 /// The checkpoint's weights `bf16(q * scale)` of nibbles `p` and `p + 4` of `word` (columns `p` and `p + 4` of
-/// its 8), as a packed BF16 pair: `(128 + u) - 136 = q` exactly, then one rounding multiply (module docs).
+/// its 8), as a packed BF16 pair: `(128 + u) - 136 = q` exactly, then one rounding multiply (module docs). `bias`
+/// is [`WEIGHT_BIAS`]; a kernel that passes it in as an argument rather than a literal saves an instruction a pair:
+/// with two immediates (the mask and the bias) ptxas emits two `LOP3`s, with the bias in a register one
+/// (`(x & mask) | bias`, checked in the SASS of the tensor-core kernel; bench/REPORT.md, session 17).
 #[cube]
-pub(super) fn weight_pair(word: u32, scale: Vector<bf16, Const<2>>, #[comptime] p: u32) -> Vector<bf16, Const<2>> {
-    let bits = ((word >> u32::new(comptime!(4 * p as i64))) & u32::new(0x000F_000F)) | u32::new(0x4300_4300);
+pub(super) fn weight_pair(
+    word: u32,
+    bias: u32,
+    scale: Vector<bf16, Const<2>>,
+    #[comptime] p: u32,
+) -> Vector<bf16, Const<2>> {
+    let bits = ((word >> u32::new(comptime!(4 * p as i64))) & u32::new(0x000F_000F)) | bias;
     let biased = Vector::<bf16, Const<2>>::reinterpret(bits);
     let mut offset = Vector::<bf16, Const<2>>::empty();
     offset[0] = bf16::new(136.0);
@@ -262,10 +274,11 @@ pub fn expert_rows_kernel<F: Float, N: Size>(
                             for q in 0..nr {
                                 let word = wv[q * per_lane + i][w];
                                 let s2 = sc[q * per_lane + i];
-                                let p0 = weight_pair(word, s2, 0u32);
-                                let p1 = weight_pair(word, s2, 1u32);
-                                let p2 = weight_pair(word, s2, 2u32);
-                                let p3 = weight_pair(word, s2, 3u32);
+                                let bias = u32::new(WEIGHT_BIAS as i64);
+                                let p0 = weight_pair(word, bias, s2, 0u32);
+                                let p1 = weight_pair(word, bias, s2, 1u32);
+                                let p2 = weight_pair(word, bias, s2, 2u32);
+                                let p3 = weight_pair(word, bias, s2, 3u32);
                                 dq[q * 8] = f32::cast_from(p0[0]);
                                 dq[q * 8 + 1] = f32::cast_from(p1[0]);
                                 dq[q * 8 + 2] = f32::cast_from(p2[0]);

@@ -244,6 +244,8 @@ pub(crate) fn token_sum(acc: &Array<f32>, t: usize, h: usize, mt: usize, c: usiz
 /// - `xs`: split-permuted activations ([`split_x3_kernel`]) as 16-byte vectors, `[*, 3, k / 8]`; row `pair / topk`
 ///   (`by_token`, the layer input) or `pair` (the intermediate).
 /// - `words`, `scales`, `experts`, `offsets`, `pairs`, `bounds`, `class`: as `expert_rows_kernel`.
+/// - `bias`: [`super::kernels::WEIGHT_BIAS`], an argument so that it sits in a register (one `LOP3` a weight pair
+///   instead of two).
 /// - `out`: `gated`: `[pairs, rows / 2]`, `silu(gate unit) * up unit`; else `[pairs, rows]`.
 ///
 /// `k` a multiple of 128; the task rows (`rows / 2` gated, else `rows`) a multiple of 16 (`16 tiles` ungated).
@@ -260,6 +262,7 @@ pub fn expert_mma_kernel<N: Size>(
     hs_out: &mut Array<u32>,
     bounds: &Array<u32>,
     class: u32,
+    bias: u32,
     #[comptime] k: usize,
     #[comptime] rows: usize,
     #[comptime] group: usize,
@@ -407,10 +410,12 @@ pub fn expert_mma_kernel<N: Size>(
                         #[unroll]
                         for mt in 0..mtiles {
                             let mut ra = Array::<Vector<bf16, Const<2>>>::new(4usize);
-                            ra[0] = weight_pair(wa[2 * mt][w], sa[2 * mt], comptime!((2 * (t % 2)) as u32));
-                            ra[1] = weight_pair(wa[2 * mt + 1][w], sa[2 * mt + 1], comptime!((2 * (t % 2)) as u32));
-                            ra[2] = weight_pair(wa[2 * mt][w], sa[2 * mt], comptime!((2 * (t % 2) + 1) as u32));
-                            ra[3] = weight_pair(wa[2 * mt + 1][w], sa[2 * mt + 1], comptime!((2 * (t % 2) + 1) as u32));
+                            let p0 = comptime!((2 * (t % 2)) as u32);
+                            let p1 = comptime!((2 * (t % 2) + 1) as u32);
+                            ra[0] = weight_pair(wa[2 * mt][w], bias, sa[2 * mt], p0);
+                            ra[1] = weight_pair(wa[2 * mt + 1][w], bias, sa[2 * mt + 1], p0);
+                            ra[2] = weight_pair(wa[2 * mt][w], bias, sa[2 * mt], p1);
+                            ra[3] = weight_pair(wa[2 * mt + 1][w], bias, sa[2 * mt + 1], p1);
                             #[unroll]
                             for nt in 0..ntiles {
                                 let mut rb = Array::<Vector<bf16, Const<2>>>::new(2usize);

@@ -169,6 +169,7 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
     let hs_out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
     let bounds = <Array<u32> as LaunchArg>::expand(&a, &mut b);
     let class = <u32 as LaunchArg>::expand(&(), &mut b);
+    let bias = <u32 as LaunchArg>::expand(&(), &mut b);
     expert_mma_kernel::expand::<N>(
         &mut b.scope,
         VEC,
@@ -182,6 +183,7 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
         hs_out,
         bounds,
         class,
+        bias,
         s.k,
         s.rows,
         s.group,
