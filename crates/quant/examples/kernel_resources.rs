@@ -8,6 +8,10 @@
 //!     [--json FILE] [--dump DIR] [--only LABEL_PART] [--shape HIDDEN,INTER,EXPERTS,GROUP --topk 8]
 //! ```
 //!
+//! `--dump DIR` writes each specialisation's CUDA C++ (`LABEL.cu`) and its CUBIN (`LABEL.cubin`) there: the SASS
+//! is then `nvdisasm -c LABEL.cubin` (pip `nvidia-cuda-nvdisasm`), and `scripts/sass_loop.py` counts the
+//! instructions of its hottest loop.
+//!
 //! Exit status 1 when a specialisation does not compile or does not fit a block of the architecture (shared
 //! memory, registers); the message names it.
 
@@ -43,6 +47,8 @@ struct Nvrtc {
     log_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
     log: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
     destroy: unsafe extern "C" fn(*mut Program) -> c_int,
+    cubin_size: unsafe extern "C" fn(Program, *mut usize) -> c_int,
+    cubin: unsafe extern "C" fn(Program, *mut c_char) -> c_int,
     // Keeps the function pointers above valid.
     _lib: libloading::Library,
 }
@@ -67,6 +73,8 @@ impl Nvrtc {
                 log_size: sym!("nvrtcGetProgramLogSize"),
                 log: sym!("nvrtcGetProgramLog"),
                 destroy: sym!("nvrtcDestroyProgram"),
+                cubin_size: sym!("nvrtcGetCUBINSize"),
+                cubin: sym!("nvrtcGetCUBIN"),
                 _lib: lib,
             })
         }
@@ -80,8 +88,9 @@ impl Nvrtc {
         (major, minor)
     }
 
-    /// Compiles `source`; returns whether NVRTC succeeded, and its log (ptxas's report included).
-    fn compile(&self, source: &str, name: &str, options: &[String]) -> Result<(bool, String)> {
+    /// Compiles `source`; returns whether NVRTC succeeded, its log (ptxas's report included) and the CUBIN (empty
+    /// when the compile failed).
+    fn compile(&self, source: &str, name: &str, options: &[String]) -> Result<(bool, String, Vec<u8>)> {
         let src = CString::new(source).context("source has a NUL byte")?;
         let name = CString::new(name).context("name has a NUL byte")?;
         let opts: Vec<CString> = options.iter().map(|o| CString::new(o.as_str())).collect::<Result<_, _>>()?;
@@ -100,8 +109,16 @@ impl Nvrtc {
             let mut buf = vec![0 as c_char; size.max(1)];
             (self.log)(prog, buf.as_mut_ptr());
             let log = CStr::from_ptr(buf.as_ptr()).to_string_lossy().into_owned();
+            let mut cubin = Vec::new();
+            let mut size = 0usize;
+            if ok && (self.cubin_size)(prog, &mut size) == 0 && size > 0 {
+                cubin = vec![0u8; size];
+                if (self.cubin)(prog, cubin.as_mut_ptr().cast()) != 0 {
+                    cubin.clear();
+                }
+            }
             (self.destroy)(&mut prog);
-            Ok((ok, log))
+            Ok((ok, log, cubin))
         }
     }
 }
@@ -203,7 +220,13 @@ fn main() -> Result<()> {
             let file = dir.join(format!("{}.cu", spec.label().replace(' ', "_")));
             std::fs::write(&file, &src.source).with_context(|| file.display().to_string())?;
         }
-        let (ok, log) = nvrtc.compile(&src.source, &format!("{}.cu", src.entry), &options)?;
+        let (ok, log, cubin) = nvrtc.compile(&src.source, &format!("{}.cu", src.entry), &options)?;
+        if let Some(dir) = &args.dump
+            && !cubin.is_empty()
+        {
+            let file = dir.join(format!("{}.cubin", spec.label().replace(' ', "_")));
+            std::fs::write(&file, &cubin).with_context(|| file.display().to_string())?;
+        }
         let mut errors: Vec<String> = log_errors(&log).iter().map(|l| l.trim().to_string()).collect();
         if !ok && errors.is_empty() {
             errors.push(format!("NVRTC failed:\n{log}"));
