@@ -272,26 +272,29 @@ fn main() -> Result<()> {
             let cfg = AttentionConfig::new(batch, heads, ctx, d, sms, smem)
                 .ok_or_else(|| anyhow::anyhow!("no launch shape fits"))?;
             let scale = 1.0 / (192f32).sqrt();
+            // Call `i` runs on layer `i`'s cache (of `copies`).
+            let call = |i: usize| {
+                mla_attention(
+                    &client,
+                    &q_dev,
+                    &caches[i % copies],
+                    slots,
+                    &rows,
+                    &meta,
+                    &out,
+                    heads,
+                    r,
+                    rot,
+                    scale,
+                    cfg,
+                )
+            };
             let mut times = Vec::new();
             for rep in 0..10 {
                 sync(&client)?;
                 let t = Instant::now();
                 for i in 0..10 {
-                    mla_attention(
-                        &client,
-                        &q_dev,
-                        &caches[i % copies],
-                        slots,
-                        &rows,
-                        &meta,
-                        &out,
-                        heads,
-                        r,
-                        rot,
-                        scale,
-                        cfg,
-                    )
-                    .map_err(anyhow::Error::msg)?;
+                    call(i).map_err(anyhow::Error::msg)?;
                 }
                 sync(&client)?;
                 if rep > 0 {
@@ -300,25 +303,11 @@ fn main() -> Result<()> {
             }
             times.sort_by(f64::total_cmp);
             let secs = times[times.len() / 2];
-            // The GPU's own time: 10 calls behind a copy, each on the next layer's cache.
+            // The GPU's own time: 10 calls behind a copy.
             let mut launch_err = None;
             let gpu_us = behind
                 .time_us(&client, 2, 10, |i| {
-                    let run = mla_attention(
-                        &client,
-                        &q_dev,
-                        &caches[i % copies],
-                        slots,
-                        &rows,
-                        &meta,
-                        &out,
-                        heads,
-                        r,
-                        rot,
-                        scale,
-                        cfg,
-                    );
-                    if let Err(e) = run {
+                    if let Err(e) = call(i) {
                         launch_err.get_or_insert(e);
                     }
                 })
