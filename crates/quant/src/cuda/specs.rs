@@ -189,6 +189,8 @@ pub struct ExpertMmaSpec {
     /// Gated: writes the down launch's input split and permuted (`split_x3_kernel`'s layout) instead of the f32
     /// intermediate (`crate::cuda::gpu::fused_split`).
     pub split_out: bool,
+    /// Blocks of weights in flight per warp in a shared-memory ring (0: in registers); tiled layouts only.
+    pub ring: usize,
     /// 32- or 64-bit indexing.
     pub address: AddressType,
 }
@@ -209,6 +211,7 @@ impl ExpertMmaSpec {
             by_token: true,
             tiled: s.tiled(),
             split_out: true,
+            ring: if s.tiled() { m.ring_13 } else { 0 },
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -228,6 +231,7 @@ impl ExpertMmaSpec {
             by_token: false,
             tiled: s.tiled(),
             split_out: false,
+            ring: if s.tiled() { m.ring_2 } else { 0 },
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -254,11 +258,18 @@ impl ExpertMmaSpec {
     }
 
     /// Shared memory of a block, bytes: the k-split warps' accumulators (`tasks x ksplit` warps of `mtiles x
-    /// ntiles x 4` floats a lane), the kernel's `red`.
+    /// ntiles x 4` floats a lane), the kernel's `red`; with a ring, each warp's `stages` blocks of `mtiles` tiles
+    /// (1 KB of weights and `4096 / group` bytes of scales each) and a barrier a stage.
     pub fn shared_bytes(&self) -> usize {
         let mtiles = if self.gated { 2 } else { self.tiles };
         let nacc = mtiles * (3 * self.tb).div_ceil(8) * 4;
-        if self.ksplit > 1 { self.tasks * self.ksplit * nacc * 32 * 4 } else { 4 }
+        let red = if self.ksplit > 1 { self.tasks * self.ksplit * nacc * 32 * 4 } else { 4 };
+        let ring = if self.ring > 0 {
+            self.tasks * self.ksplit * self.ring * mtiles * (1024 + 4096 / self.group) + 8 * self.ring
+        } else {
+            0
+        };
+        red + ring
     }
 
     /// Blocks along `x` for one active expert.
@@ -267,16 +278,17 @@ impl ExpertMmaSpec {
         (rows / step).div_ceil(self.tasks) as u32
     }
 
-    /// Short label: `mma gate_up k7168 tb1 t2 x4 ks2`.
+    /// Short label: `mma gate_up k7168 tb1 t2 x4 ks2` (` st3` with a ring of 3).
     pub fn label(&self) -> String {
         format!(
-            "mma {} k{} tb{} t{} x{} ks{}",
+            "mma {} k{} tb{} t{} x{} ks{}{}",
             if self.gated { "gate_up" } else { "down" },
             self.k,
             self.tb,
             self.tiles,
             self.tasks,
-            self.ksplit
+            self.ksplit,
+            if self.ring > 0 { format!(" st{}", self.ring) } else { String::new() }
         )
     }
 }
@@ -746,7 +758,7 @@ mod tests {
                 }
             }
         }
-        let wide = MmaShape { tasks_13: 8, ksplit_13: 3, tiles_2: 1, tasks_2: 1, ksplit_2: 2 };
+        let wide = MmaShape::new(8, 3, 1, 1, 2);
         assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 1).shared_bytes(), 24_576);
         assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 16).shared_bytes(), 147_456);
         let specs = moe_kernel_specs(&KIMI, 8, sm120);
@@ -802,7 +814,7 @@ mod tests {
 
     #[test]
     fn mma_specs_take_the_shapes_the_kernel_can() {
-        let m = MmaShape { tasks_13: 2, ksplit_13: 2, tiles_2: 2, tasks_2: 4, ksplit_2: 2 };
+        let m = MmaShape::new(2, 2, 2, 4, 2);
         let g = ExpertMmaSpec::gate_up(&KIMI, 8, &m, 1);
         let d = ExpertMmaSpec::down(&KIMI, 8, &m, 1);
         assert!(g.fits() && d.fits());
