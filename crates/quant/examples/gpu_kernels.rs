@@ -52,7 +52,7 @@ fn main() -> Result<()> {
     if !check && !bench && !prefill && !stages && !profile {
         bail!(
             "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128]] [prefill [--m 512,2048,8192]] \
-             [stages [--m 1,8] [--full] [--ring 0,3,4] [--stage gate_up|down]] [profile [--m 1] [--calls 20]]"
+             [stages [--m 1,8] [--full] [--stage gate_up|down]] [profile [--m 1] [--calls 20]]"
         );
     }
     let ms: Vec<usize> = match args.iter().position(|a| a == "--m") {
@@ -88,15 +88,6 @@ fn main() -> Result<()> {
     }
     if stages {
         let ms = if args.iter().any(|a| a == "--m") { ms.clone() } else { vec![1, 8] };
-        let rings: Vec<usize> = match args.iter().position(|a| a == "--ring") {
-            Some(i) => args
-                .get(i + 1)
-                .context("--ring needs a list such as 0,3,4")?
-                .split(',')
-                .map(|v| v.parse().with_context(|| format!("--ring: {v:?} is not a count")))
-                .collect::<Result<_>>()?,
-            None => vec![0],
-        };
         let full = args.iter().any(|a| a == "--full");
         let only = args.iter().position(|a| a == "--stage").map(|i| args.get(i + 1).cloned().unwrap_or_default());
         if let Some(o) = &only
@@ -105,7 +96,7 @@ fn main() -> Result<()> {
         {
             bail!("--stage: {o:?} is neither gate_up nor down");
         }
-        run_stage_sweep(&client, &kimi, &gpu_kimi, &ms, json.as_deref(), full, &rings, only.as_deref())?;
+        run_stage_sweep(&client, &kimi, &gpu_kimi, &ms, json.as_deref(), full, only.as_deref())?;
     }
     if profile {
         let calls = match args.iter().position(|a| a == "--calls") {
@@ -595,7 +586,6 @@ fn fits_tbs(s: &MoeShape, base: &MoeConfig, mm: &MmaShape, smem_limit: usize) ->
 /// a launch outlasts the down kernel, so wall-clock times of back-to-back calls were the host's). `full`: up to 32 warps a block and 4 tiles a task; otherwise the 18 + 24
 /// shapes that mattered at one token in session 16. For choosing `MoeConfig::for_tokens` stage by stage (the
 /// `bench` sweep tries whole shapes only).
-#[allow(clippy::too_many_arguments)]
 fn run_stage_sweep(
     client: &ComputeClient<R>,
     kimi: &MoeExperts,
@@ -603,7 +593,6 @@ fn run_stage_sweep(
     ms: &[usize],
     json: Option<&str>,
     full: bool,
-    rings: &[usize],
     only: Option<&str>,
 ) -> Result<()> {
     let s = kimi.shape();
@@ -632,66 +621,56 @@ fn run_stage_sweep(
         println!(
             "\nm = {m}: gate/up alone (with the input's split; it writes the intermediate split unless EYRIE_MOE_FUSED_SPLIT=0), tuned shape {base_mm:?}"
         );
-        println!("| tasks | k-split | warps | ring | GPU us |\n|---|---|---|---|---|");
+        println!("| tasks | k-split | warps | GPU us |\n|---|---|---|---|");
         let mut best13 = (f64::INFINITY, base_mm);
         let mut rows13 = Vec::new();
-        for &ring in if only == Some("down") { &[][..] } else { rings } {
-            for tasks in [1usize, 2, 4, 8] {
-                for ksplit in [1usize, 2, 3, 4, 6, 8] {
-                    if tasks * ksplit > if full { 32 } else { 24 } || (!full && ksplit == 8) {
-                        continue;
-                    }
-                    let mm = MmaShape { tasks_13: tasks, ksplit_13: ksplit, ring_13: ring, ..base_mm };
-                    if !fits_tbs(&s, &base, &mm, smem_limit) {
-                        continue;
-                    }
-                    let us = time(mm, Stages::GateUp)?;
-                    println!("| {tasks} | {ksplit} | {} | {ring} | {us:.1} |", tasks * ksplit);
-                    rows13.push(serde_json::json!({"tasks": tasks, "ksplit": ksplit, "ring": ring, "us": us}));
-                    if us < best13.0 {
-                        best13 = (us, mm);
-                    }
+        for tasks in [1usize, 2, 4, 8] {
+            for ksplit in [1usize, 2, 3, 4, 6, 8] {
+                if only == Some("down") || tasks * ksplit > if full { 32 } else { 24 } || (!full && ksplit == 8) {
+                    continue;
+                }
+                let mm = MmaShape { tasks_13: tasks, ksplit_13: ksplit, ..base_mm };
+                if !fits_tbs(&s, &base, &mm, smem_limit) {
+                    continue;
+                }
+                let us = time(mm, Stages::GateUp)?;
+                println!("| {tasks} | {ksplit} | {} | {us:.1} |", tasks * ksplit);
+                rows13.push(serde_json::json!({"tasks": tasks, "ksplit": ksplit, "us": us}));
+                if us < best13.0 {
+                    best13 = (us, mm);
                 }
             }
         }
         println!("\nm = {m}: down alone (plus the intermediate's split launch when EYRIE_MOE_FUSED_SPLIT=0)");
-        println!("| tiles | tasks | k-split | warps | ring | GPU us |\n|---|---|---|---|---|---|");
+        println!("| tiles | tasks | k-split | warps | GPU us |\n|---|---|---|---|---|");
         let mut best2 = (f64::INFINITY, base_mm);
         let mut rows2 = Vec::new();
-        for &ring in if only == Some("gate_up") { &[][..] } else { rings } {
-            for tiles in [1usize, 2, 4] {
-                for tasks in [1usize, 2, 4, 8] {
-                    for ksplit in [1usize, 2, 3, 4, 6, 8] {
-                        // Without `--full`: the part of the grid that session 16 found within 5% of the best at
-                        // one token (down took the same time for every shape up to 16 warps).
-                        if tasks * ksplit > if full { 32 } else { 16 }
-                            || (!full && (tiles == 4 || tasks == 8 || ksplit > 4))
-                        {
-                            continue;
-                        }
-                        let mm = MmaShape { tiles_2: tiles, tasks_2: tasks, ksplit_2: ksplit, ring_2: ring, ..base_mm };
-                        if !fits_tbs(&s, &base, &mm, smem_limit) {
-                            continue;
-                        }
-                        let us = time(mm, Stages::Down)?;
-                        println!("| {tiles} | {tasks} | {ksplit} | {} | {ring} | {us:.1} |", tasks * ksplit);
-                        rows2.push(
-                            serde_json::json!({"tiles": tiles, "tasks": tasks, "ksplit": ksplit, "ring": ring, "us": us}),
-                        );
-                        if us < best2.0 {
-                            best2 = (us, mm);
-                        }
+        for tiles in [1usize, 2, 4] {
+            for tasks in [1usize, 2, 4, 8] {
+                for ksplit in [1usize, 2, 3, 4, 6, 8] {
+                    // Without `--full`: the part of the grid that session 16 found within 5% of the best at one
+                    // token (down took the same time for every shape up to 16 warps).
+                    if only == Some("gate_up")
+                        || tasks * ksplit > if full { 32 } else { 16 }
+                        || (!full && (tiles == 4 || tasks == 8 || ksplit > 4))
+                    {
+                        continue;
+                    }
+                    let mm = MmaShape { tiles_2: tiles, tasks_2: tasks, ksplit_2: ksplit, ..base_mm };
+                    if !fits_tbs(&s, &base, &mm, smem_limit) {
+                        continue;
+                    }
+                    let us = time(mm, Stages::Down)?;
+                    println!("| {tiles} | {tasks} | {ksplit} | {} | {us:.1} |", tasks * ksplit);
+                    rows2.push(serde_json::json!({"tiles": tiles, "tasks": tasks, "ksplit": ksplit, "us": us}));
+                    if us < best2.0 {
+                        best2 = (us, mm);
                     }
                 }
             }
         }
-        let best = MmaShape {
-            tiles_2: best2.1.tiles_2,
-            tasks_2: best2.1.tasks_2,
-            ksplit_2: best2.1.ksplit_2,
-            ring_2: best2.1.ring_2,
-            ..best13.1
-        };
+        let best =
+            MmaShape { tiles_2: best2.1.tiles_2, tasks_2: best2.1.tasks_2, ksplit_2: best2.1.ksplit_2, ..best13.1 };
         // The whole layer, tuned shape and the stage-wise best, alternated twice (the machine drifts).
         let mut whole = [0.0f64; 4];
         for (k, mm) in [base_mm, best, base_mm, best].into_iter().enumerate() {

@@ -55,22 +55,12 @@ pub struct MmaShape {
     pub tasks_2: usize,
     /// Down: warps sharing a task's columns.
     pub ksplit_2: usize,
-    /// Gate/up: blocks of weights in flight per warp in a shared-memory ring filled by `cp.async` (0: registers,
-    /// two blocks; the ring needs the tiled layout and is ignored without it).
-    pub ring_13: usize,
-    /// Down: as `ring_13`.
-    pub ring_2: usize,
 }
 
 impl MmaShape {
-    /// A shape with its weights in registers (no shared-memory ring).
+    /// The shape with these fields, in their order.
     pub fn new(tasks_13: usize, ksplit_13: usize, tiles_2: usize, tasks_2: usize, ksplit_2: usize) -> Self {
-        Self { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2, ring_13: 0, ring_2: 0 }
-    }
-
-    /// The same shape with rings of `ring_13` (gate/up) and `ring_2` (down) blocks.
-    pub fn with_ring(self, ring_13: usize, ring_2: usize) -> Self {
-        Self { ring_13, ring_2, ..self }
+        Self { tasks_13, ksplit_13, tiles_2, tasks_2, ksplit_2 }
     }
 
     /// The launch shapes the benchmark sweeps (and `cargo xtask kernels` compiles).
@@ -87,9 +77,6 @@ impl MmaShape {
             m(4, 3, 2, 4, 3),
             m(8, 3, 1, 1, 2),
             m(1, 4, 2, 2, 2),
-            // Weights staged in shared-memory rings (session 18).
-            m(8, 3, 1, 1, 2).with_ring(3, 4),
-            m(4, 2, 2, 4, 2).with_ring(4, 3),
         ]
     }
 }
@@ -668,7 +655,6 @@ fn mma_experts<R: Runtime, A: Float>(
                 spec.by_token,
                 spec.tiled,
                 spec.split_out,
-                spec.ring,
             );
         }
     };

@@ -36,22 +36,12 @@
 //! loads its next block while it computes the current one (two register sets; a third, two blocks ahead, measured
 //! no faster on the H200: bench/REPORT.md).
 //!
-//! # The ring (`ring` > 0, tiled layouts)
-//!
-//! Instead of registers, each warp keeps its next `ring` blocks of weights and scales in shared memory: per m tile
-//! and block the tile's 1 KB of the tiled layout (contiguous) and its 16 rows' `128 / group` scales, copied with
-//! `cp.async` (each lane the two 16-byte vectors it later reads; 16-byte pieces of the scales), one block-wide
-//! `mbarrier` a stage (every thread arrives once a fill: `cp.async.mbarrier.arrive` and its own arrive). The loop
-//! is unrolled by the ring's length so that every stage's barrier and buffer is a constant; a chunk starts at
-//! stage 0 and a bit a stage carries its barrier's phase. Every warp of the block runs the ring the same number of
-//! times (an idle warp loads the last task's rows; a k-split part with fewer blocks reloads its last one, unused).
-//! Measured on the H200 (bench/REPORT.md, session 18): no faster than registers except with one or two warps a
-//! block; the barrier, copy and address instructions add ~35% to the one-token down loop (177 -> ~237 SASS
-//! instructions a block), which is the limit where the registers' version already keeps enough bytes in flight.
+//! Weights staged in shared memory instead (a ring of `cp.async` copies, one `mbarrier` a stage: commit a13e488)
+//! were correct and no faster on the H200 (bench/REPORT.md, session 18): the barrier and copy instructions add a
+//! third to the loop, which the registers' version does not need to keep enough bytes in flight.
 
 use burn::cubecl;
 use cubecl::cmma::MmaDefinition;
-use cubecl::prelude::barrier::{Barrier, copy_async};
 use cubecl::prelude::*;
 use half::bf16;
 
@@ -168,80 +158,6 @@ fn load_x<N: Size>(
             xb[4 * nt + q] = z;
         }
     }
-}
-
-/// Asynchronous copies (`cp.async`, 16 bytes each, completing on the stage's barrier `bar`) of one warp's weights and
-/// scales of 128-column block `i` into stage `s` (comptime) of its shared-memory ring: per m tile, the tile's 1 KB of the tiled
-/// layout (rows `t0 .. t0 + 16`, 16-byte vectors `4 i .. 4 i + 4`: contiguous, [`super::experts::tiled_vector`]),
-/// each lane the two vectors it will read, and the 16 rows' `128 / group` scales (contiguous,
-/// [`super::experts::tiled_scale`]), one 16-byte piece a lane. The warp first finishes reading the stage (its
-/// barrier); then every lane hands its copies to the stage barrier and arrives. Every thread of the block calls it
-/// the same number of times.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn stage_copy<N: Size>(
-    words: &Array<Vector<u32, N>>,
-    scales: &Array<bf16>,
-    wsm: &mut SharedMemory<Vector<u32, N>>,
-    ssm: &mut SharedMemory<bf16>,
-    bar: &Barrier,
-    wbase: usize,
-    sbase: usize,
-    e: usize,
-    j0: usize,
-    i: usize,
-    lane: usize,
-    #[comptime] k: usize,
-    #[comptime] rows: usize,
-    #[comptime] group: usize,
-    #[comptime] tiles: usize,
-    #[comptime] gated: bool,
-    #[comptime] s: usize,
-) {
-    let mtiles = comptime!(if gated { 2 } else { tiles });
-    let task_rows = comptime!(rows / if gated { 2 } else { 1 });
-    let sblk = comptime!(2048 / group);
-    let pieces = comptime!(2048 / group / 8);
-    sync_plane();
-    #[unroll]
-    for mt in 0..mtiles {
-        let mut t0 = j0 + 16 * mt;
-        if gated {
-            t0 = j0 + mt * task_rows;
-        }
-        let tile = e * comptime!(rows / 16) + t0 / 16;
-        let src = (tile * comptime!(k / 128) + i) * 64 + lane;
-        let dst = wbase + (s * mtiles + mt) * 64 + lane;
-        #[unroll]
-        for h in 0..2usize {
-            copy_async(
-                &words.slice(src + 32 * h, src + 32 * h + 1),
-                &mut wsm.slice_mut(dst + 32 * h, dst + 32 * h + 1),
-                4u32,
-            );
-        }
-        if lane >= mt * pieces && lane < (mt + 1) * pieces {
-            let piece = lane - mt * pieces;
-            let ssrc = (tile * comptime!(k / group) + i * comptime!(128 / group)) * 16 + 8 * piece;
-            let sdst = sbase + (s * mtiles + mt) * sblk + 8 * piece;
-            copy_async(&scales.slice(ssrc, ssrc + 8), &mut ssm.slice_mut(sdst, sdst + 8), 8u32);
-        }
-    }
-    bar.commit_copy_async();
-    bar.arrive();
-}
-
-/// Block `i`, or the last block where a k-split part has fewer blocks than the ring's rounds (`exact`: never).
-#[cube]
-#[allow(clippy::collapsible_if)]
-fn clamp_block(i: usize, #[comptime] nblk: usize, #[comptime] exact: bool) -> usize {
-    let mut r = i;
-    if !exact {
-        if r >= nblk {
-            r = nblk - 1;
-        }
-    }
-    r
 }
 
 /// One 128-column block of a lane's task: 8 MMAs per (m tile, n tile) from a zero accumulator (the tensor core
@@ -424,7 +340,6 @@ pub fn expert_mma_kernel<N: Size>(
     #[comptime] by_token: bool,
     #[comptime] tiled: bool,
     #[comptime] split_out: bool,
-    #[comptime] ring: usize,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -443,34 +358,6 @@ pub fn expert_mma_kernel<N: Size>(
     let split = comptime!(split_out && gated);
 
     let mut red = SharedMemory::<f32>::new(comptime!(if ksplit > 1 { tasks * ksplit * nacc * 32 } else { 1 }));
-
-    // Staged (`ring` > 0, tiled layout): a ring of `ring` blocks of each warp's weights and scales in shared
-    // memory, filled by `cp.async`, one block-wide barrier a stage (every thread arrives once a fill).
-    let wstage = comptime!(mtiles * 64);
-    let sstage = comptime!(mtiles * 2048 / group);
-    let nwarps = comptime!(tasks * ksplit);
-    let mut wsm = SharedMemory::<Vector<u32, N>>::new_aligned(
-        comptime!(if ring > 0 { nwarps * ring * wstage } else { 1 }),
-        16usize,
-    );
-    let mut ssm =
-        SharedMemory::<bf16>::new_aligned(comptime!(if ring > 0 { nwarps * ring * sstage } else { 8 }), 16usize);
-    let mut bars = Sequence::<Shared<Barrier>>::new();
-    if ring > 0 {
-        #[unroll]
-        for _q in 0..ring {
-            bars.push(Barrier::shared_uninit());
-        }
-        if UNIT_POS == 0 {
-            #[unroll]
-            for q in 0..ring {
-                bars[q].init_manual(comptime!((32 * nwarps) as u32));
-            }
-        }
-        sync_cube();
-    }
-    // Bit `q`: the phase (0 or 1) stage `q`'s barrier completes next.
-    let mut phases = 0u32;
 
     let task = CUBE_POS_X as usize * tasks + warp / ksplit;
     let part = warp % ksplit;
@@ -514,72 +401,7 @@ pub fn expert_mma_kernel<N: Size>(
                 acc[a] = f32::new(0.0);
             }
 
-            if ring > 0 {
-                // Every warp runs the ring (the barriers count them all); an idle warp loads the last task's
-                // rows and writes nothing. Part `part` takes blocks part, part + ksplit, ...; the ring's last
-                // fills of a part with fewer blocks reload its last block, unused.
-                let iters = comptime!(nblk.div_ceil(ksplit));
-                // Comptime facts that drop runtime checks: every part has `iters` blocks; the rounds are whole.
-                let exact = comptime!(nblk % ksplit == 0);
-                let whole = comptime!(iters % ring == 0);
-                let mut jl = j0;
-                if !active {
-                    jl = task_rows - step;
-                }
-                let wbase = warp * comptime!(ring * wstage);
-                let sbase = warp * comptime!(ring * sstage);
-                #[unroll]
-                for q in 0..comptime!(if ring < iters { ring } else { iters }) {
-                    let i = clamp_block(part + q * ksplit, nblk, exact);
-                    stage_copy::<N>(
-                        words, scales, &mut wsm, &mut ssm, &bars[q], wbase, sbase, e, jl, i, lane, k, rows, group,
-                        tiles, gated, q,
-                    );
-                }
-                let mut wa = Array::<Vector<u32, N>>::new(comptime!(2 * if gated { 2 } else { tiles }));
-                let mut sa = Array::<Vector<bf16, Const<2>>>::new(comptime!(2 * if gated { 2 } else { tiles }));
-                let mut xb = Array::<Vector<u32, N>>::new(comptime!(4 * (3 * tb).div_ceil(8)));
-                // Unrolled by its length, so that every stage's barrier and buffer is a constant; a chunk
-                // starts at stage 0.
-                for round in 0..comptime!(iters.div_ceil(ring)) {
-                    #[unroll]
-                    for q in 0..ring {
-                        let it = round * ring + q;
-                        let live = if whole { true.runtime() } else { it < iters };
-                        if live {
-                            // The B operands (L1/L2-resident) load while the warp waits for the stage.
-                            let i = part + it * ksplit;
-                            let ix = clamp_block(i, nblk, exact);
-                            load_x::<N>(xs, &xrow, &xok, &mut xb, 4 * ix + c, tb);
-                            bars[q].wait_parity((phases >> comptime!(q as u32)) & 1u32);
-                            phases ^= comptime!(1u32 << q as u32);
-                            let wv = wbase + comptime!(q * wstage);
-                            let sv = sbase + comptime!(q * sstage);
-                            #[unroll]
-                            for mt in 0..mtiles {
-                                #[unroll]
-                                for h in 0..2usize {
-                                    wa[2 * mt + h] = wsm[wv + mt * 64 + h * 32 + lane];
-                                    sa[2 * mt + h] = scale_pair(
-                                        ssm[sv + mt * comptime!(2048 / group) + (c * 32 / group) * 16 + g + 8 * h],
-                                    );
-                                }
-                            }
-                            let used = if exact { true.runtime() } else { i < nblk };
-                            if used {
-                                block_mma::<N>(&wa, &sa, &xb, &mut acc, bias, mtiles, ntiles);
-                            }
-                            if it + ring < iters {
-                                let ir = clamp_block(i + ring * ksplit, nblk, exact);
-                                stage_copy::<N>(
-                                    words, scales, &mut wsm, &mut ssm, &bars[q], wbase, sbase, e, jl, ir, lane, k,
-                                    rows, group, tiles, gated, q,
-                                );
-                            }
-                        }
-                    }
-                }
-            } else if active {
+            if active {
                 // Software pipeline: block i's operands are in (wa, sa, xb) while block i + ksplit's load; the last
                 // block reloads itself (a clamped index keeps every load in range and the loop free of branches).
                 let mut wa = Array::<Vector<u32, N>>::new(comptime!(2 * if gated { 2 } else { tiles }));

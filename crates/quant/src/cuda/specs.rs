@@ -189,8 +189,6 @@ pub struct ExpertMmaSpec {
     /// Gated: writes the down launch's input split and permuted (`split_x3_kernel`'s layout) instead of the f32
     /// intermediate (`crate::cuda::gpu::fused_split`).
     pub split_out: bool,
-    /// Blocks of weights in flight per warp in a shared-memory ring (0: in registers); tiled layouts only.
-    pub ring: usize,
     /// 32- or 64-bit indexing.
     pub address: AddressType,
 }
@@ -211,7 +209,6 @@ impl ExpertMmaSpec {
             by_token: true,
             tiled: s.tiled(),
             split_out: true,
-            ring: if s.tiled() { m.ring_13 } else { 0 },
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -231,7 +228,6 @@ impl ExpertMmaSpec {
             by_token: false,
             tiled: s.tiled(),
             split_out: false,
-            ring: if s.tiled() { m.ring_2 } else { 0 },
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -258,18 +254,11 @@ impl ExpertMmaSpec {
     }
 
     /// Shared memory of a block, bytes: the k-split warps' accumulators (`tasks x ksplit` warps of `mtiles x
-    /// ntiles x 4` floats a lane), the kernel's `red`; with a ring, each warp's `stages` blocks of `mtiles` tiles
-    /// (1 KB of weights and `4096 / group` bytes of scales each) and a barrier a stage.
+    /// ntiles x 4` floats a lane), the kernel's `red`.
     pub fn shared_bytes(&self) -> usize {
         let mtiles = if self.gated { 2 } else { self.tiles };
         let nacc = mtiles * (3 * self.tb).div_ceil(8) * 4;
-        let red = if self.ksplit > 1 { self.tasks * self.ksplit * nacc * 32 * 4 } else { 4 };
-        let ring = if self.ring > 0 {
-            self.tasks * self.ksplit * self.ring * mtiles * (1024 + 4096 / self.group) + 8 * self.ring
-        } else {
-            0
-        };
-        red + ring
+        if self.ksplit > 1 { self.tasks * self.ksplit * nacc * 32 * 4 } else { 4 }
     }
 
     /// Blocks along `x` for one active expert.
@@ -278,17 +267,16 @@ impl ExpertMmaSpec {
         (rows / step).div_ceil(self.tasks) as u32
     }
 
-    /// Short label: `mma gate_up k7168 tb1 t2 x4 ks2` (` st3` with a ring of 3).
+    /// Short label: `mma gate_up k7168 tb1 t2 x4 ks2`.
     pub fn label(&self) -> String {
         format!(
-            "mma {} k{} tb{} t{} x{} ks{}{}",
+            "mma {} k{} tb{} t{} x{} ks{}",
             if self.gated { "gate_up" } else { "down" },
             self.k,
             self.tb,
             self.tiles,
             self.tasks,
-            self.ksplit,
-            if self.ring > 0 { format!(" st{}", self.ring) } else { String::new() }
+            self.ksplit
         )
     }
 }
