@@ -5,7 +5,8 @@
 //! gpu_kernels check                 # kernel vs CPU reference on random inputs; exit 1 on a mismatch
 //! gpu_kernels bench --json FILE     # Kimi-K2 shapes, batch 1/8/32/128, vs the copy bandwidth of the same run
 //! gpu_kernels prefill [--m 512,2048,8192] [--json FILE]  # prefill widths on tensor cores: tokens a pass of 3+-token experts
-//! gpu_kernels stages [--m 1,8] [--full] [--json FILE]  # tensor-core launch shapes of gate/up and of down, each alone
+//! gpu_kernels stages [--m 1,8] [--full] [--stage gate_up|down] [--loads] [--json FILE]  # tensor-core launch shapes
+//!                                                   # of gate/up and of down, each alone (`--loads`: and their loads alone)
 //! gpu_kernels profile [--m 1] [--calls 20]  # the tuned layer `calls` times, untimed: for Nsight Compute's `-k`
 //! ```
 //!
@@ -52,7 +53,7 @@ fn main() -> Result<()> {
     if !check && !bench && !prefill && !stages && !profile {
         bail!(
             "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128]] [prefill [--m 512,2048,8192]] \
-             [stages [--m 1,8] [--full] [--stage gate_up|down]] [profile [--m 1] [--calls 20]]"
+             [stages [--m 1,8] [--full] [--stage gate_up|down] [--loads]] [profile [--m 1] [--calls 20]]"
         );
     }
     let ms: Vec<usize> = match args.iter().position(|a| a == "--m") {
@@ -96,7 +97,8 @@ fn main() -> Result<()> {
         {
             bail!("--stage: {o:?} is neither gate_up nor down");
         }
-        run_stage_sweep(&client, &kimi, &gpu_kimi, &ms, json.as_deref(), full, only.as_deref())?;
+        let loads = args.iter().any(|a| a == "--loads");
+        run_stage_sweep(&client, &kimi, &gpu_kimi, &ms, json.as_deref(), full, only.as_deref(), loads)?;
     }
     if profile {
         let calls = match args.iter().position(|a| a == "--calls") {
@@ -567,6 +569,11 @@ fn run_bench(
     Ok(())
 }
 
+/// A time for a table cell, `-` when not measured.
+fn fmt_us(us: Option<f64>) -> String {
+    us.map_or_else(|| "-".to_string(), |v| format!("{v:.1}"))
+}
+
 /// Whether every launch of `mm` at the classes of `base` fits the kernel and `smem_limit` bytes of shared memory.
 fn fits_tbs(s: &MoeShape, base: &MoeConfig, mm: &MmaShape, smem_limit: usize) -> bool {
     eyrie_quant::cuda::specs::mma_class_tbs(base).into_iter().all(|tb| {
@@ -586,6 +593,7 @@ fn fits_tbs(s: &MoeShape, base: &MoeConfig, mm: &MmaShape, smem_limit: usize) ->
 /// a launch outlasts the down kernel, so wall-clock times of back-to-back calls were the host's). `full`: up to 32 warps a block and 4 tiles a task; otherwise the 18 + 24
 /// shapes that mattered at one token in session 16. For choosing `MoeConfig::for_tokens` stage by stage (the
 /// `bench` sweep tries whole shapes only).
+#[allow(clippy::too_many_arguments)]
 fn run_stage_sweep(
     client: &ComputeClient<R>,
     kimi: &MoeExperts,
@@ -594,6 +602,7 @@ fn run_stage_sweep(
     json: Option<&str>,
     full: bool,
     only: Option<&str>,
+    loads: bool,
 ) -> Result<()> {
     let s = kimi.shape();
     let smem_limit = client.properties().hardware.max_shared_memory_size;
@@ -621,7 +630,7 @@ fn run_stage_sweep(
         println!(
             "\nm = {m}: gate/up alone (with the input's split; it writes the intermediate split unless EYRIE_MOE_FUSED_SPLIT=0), tuned shape {base_mm:?}"
         );
-        println!("| tasks | k-split | warps | GPU us |\n|---|---|---|---|");
+        println!("| tasks | k-split | warps | GPU us | loads alone, GPU us |\n|---|---|---|---|---|");
         let mut best13 = (f64::INFINITY, base_mm);
         let mut rows13 = Vec::new();
         for tasks in [1usize, 2, 4, 8] {
@@ -634,15 +643,16 @@ fn run_stage_sweep(
                     continue;
                 }
                 let us = time(mm, Stages::GateUp)?;
-                println!("| {tasks} | {ksplit} | {} | {us:.1} |", tasks * ksplit);
-                rows13.push(serde_json::json!({"tasks": tasks, "ksplit": ksplit, "us": us}));
+                let lo = if loads { Some(time(mm, Stages::GateUpLoads)?) } else { None };
+                println!("| {tasks} | {ksplit} | {} | {us:.1} | {} |", tasks * ksplit, fmt_us(lo));
+                rows13.push(serde_json::json!({"tasks": tasks, "ksplit": ksplit, "us": us, "loads_us": lo}));
                 if us < best13.0 {
                     best13 = (us, mm);
                 }
             }
         }
         println!("\nm = {m}: down alone (plus the intermediate's split launch when EYRIE_MOE_FUSED_SPLIT=0)");
-        println!("| tiles | tasks | k-split | warps | GPU us |\n|---|---|---|---|---|");
+        println!("| tiles | tasks | k-split | warps | GPU us | loads alone, GPU us |\n|---|---|---|---|---|---|");
         let mut best2 = (f64::INFINITY, base_mm);
         let mut rows2 = Vec::new();
         for tiles in [1usize, 2, 4] {
@@ -661,8 +671,11 @@ fn run_stage_sweep(
                         continue;
                     }
                     let us = time(mm, Stages::Down)?;
-                    println!("| {tiles} | {tasks} | {ksplit} | {} | {us:.1} |", tasks * ksplit);
-                    rows2.push(serde_json::json!({"tiles": tiles, "tasks": tasks, "ksplit": ksplit, "us": us}));
+                    let lo = if loads { Some(time(mm, Stages::DownLoads)?) } else { None };
+                    println!("| {tiles} | {tasks} | {ksplit} | {} | {us:.1} | {} |", tasks * ksplit, fmt_us(lo));
+                    rows2.push(
+                        serde_json::json!({"tiles": tiles, "tasks": tasks, "ksplit": ksplit, "us": us, "loads_us": lo}),
+                    );
                     if us < best2.0 {
                         best2 = (us, mm);
                     }

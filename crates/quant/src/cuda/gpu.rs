@@ -173,6 +173,11 @@ pub enum Stages {
     Down,
     /// Weighted combine only.
     Combine,
+    /// The tensor-core gate/up launch's loads alone: its weights, scales and activations read as the kernel reads
+    /// them, folded into a meaningless output instead of multiplied (timing only: how fast the loads alone go).
+    GateUpLoads,
+    /// The tensor-core down launch's loads alone, as `GateUpLoads`.
+    DownLoads,
 }
 
 /// One MoE layer's experts on the device, in the [`KernelLayout`].
@@ -655,24 +660,32 @@ fn mma_experts<R: Runtime, A: Float>(
                 spec.by_token,
                 spec.tiled,
                 spec.split_out,
+                spec.loads_only,
             );
         }
     };
-    if matches!(stages, Stages::All | Stages::GateUp) {
+    if matches!(stages, Stages::All | Stages::GateUp | Stages::GateUpLoads) {
         split_x3::<R, A>(client, x, xs, routing.m, s.hidden);
         for (class, tb) in mma_class_tbs(cfg).into_iter().enumerate() {
-            let spec = ExpertMmaSpec { split_out: fused, ..ExpertMmaSpec::gate_up(&s, routing.topk, mm, tb) };
+            let spec = ExpertMmaSpec {
+                split_out: fused,
+                loads_only: stages == Stages::GateUpLoads,
+                ..ExpertMmaSpec::gate_up(&s, routing.topk, mm, tb)
+            };
             // Fused: the launch writes `hs` (its `out` is passed unwritten: `y`, the right type and large enough).
             let (o, o_len) = if fused { (y, n_pairs * s.hidden) } else { (h, n_pairs * s.inter) };
             launch(spec, class, xs, routing.m * 3 * s.hidden / 8, &experts.w13, &experts.s13, o, o_len);
         }
     }
-    if matches!(stages, Stages::All | Stages::Down) {
+    if matches!(stages, Stages::All | Stages::Down | Stages::DownLoads) {
         if !fused {
             split_x3::<R, f32>(client, h, hs, n_pairs, s.inter);
         }
         for (class, tb) in mma_class_tbs(cfg).into_iter().enumerate() {
-            let spec = ExpertMmaSpec::down(&s, routing.topk, mm, tb);
+            let spec = ExpertMmaSpec {
+                loads_only: stages == Stages::DownLoads,
+                ..ExpertMmaSpec::down(&s, routing.topk, mm, tb)
+            };
             launch(spec, class, hs, n_pairs * 3 * s.inter / 8, &experts.w2, &experts.s2, y, n_pairs * s.hidden);
         }
     }

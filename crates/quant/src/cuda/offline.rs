@@ -196,6 +196,7 @@ fn define_expert_mma(s: &ExpertMmaSpec, props: &DeviceProperties) -> KernelDefin
         s.by_token,
         s.tiled,
         s.split_out,
+        s.loads_only,
     );
     let name = format!("expert_mma_kernel_n_{VEC}");
     b.build(KernelSettings::default().cube_dim(s.cube_dim()).address_type(s.address).kernel_name(name))

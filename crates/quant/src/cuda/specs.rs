@@ -189,6 +189,8 @@ pub struct ExpertMmaSpec {
     /// Gated: writes the down launch's input split and permuted (`split_x3_kernel`'s layout) instead of the f32
     /// intermediate (`crate::cuda::gpu::fused_split`).
     pub split_out: bool,
+    /// The loads alone, folded into a meaningless output ([`crate::cuda::Stages::GateUpLoads`]; timing only).
+    pub loads_only: bool,
     /// 32- or 64-bit indexing.
     pub address: AddressType,
 }
@@ -209,6 +211,7 @@ impl ExpertMmaSpec {
             by_token: true,
             tiled: s.tiled(),
             split_out: true,
+            loads_only: false,
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -228,6 +231,7 @@ impl ExpertMmaSpec {
             by_token: false,
             tiled: s.tiled(),
             split_out: false,
+            loads_only: false,
             address: AddressType::from_len(experts_len(s)),
         }
     }
@@ -267,16 +271,17 @@ impl ExpertMmaSpec {
         (rows / step).div_ceil(self.tasks) as u32
     }
 
-    /// Short label: `mma gate_up k7168 tb1 t2 x4 ks2`.
+    /// Short label: `mma gate_up k7168 tb1 t2 x4 ks2` (` loads` for the loads alone).
     pub fn label(&self) -> String {
         format!(
-            "mma {} k{} tb{} t{} x{} ks{}",
+            "mma {} k{} tb{} t{} x{} ks{}{}",
             if self.gated { "gate_up" } else { "down" },
             self.k,
             self.tb,
             self.tiles,
             self.tasks,
-            self.ksplit
+            self.ksplit,
+            if self.loads_only { " loads" } else { "" }
         )
     }
 }
@@ -563,6 +568,16 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec
                     push(KernelSpec::ExpertMma { spec });
                 }
             }
+        }
+    }
+    // The loads-alone timing launches (`Stages::GateUpLoads` / `DownLoads`) of the one-token shape.
+    for mut spec in [
+        ExpertMmaSpec::gate_up(shape, topk, &MoeConfig::for_tokens(1).mma.unwrap_or(MmaShape::new(4, 2, 2, 4, 2)), 1),
+        ExpertMmaSpec::down(shape, topk, &MoeConfig::for_tokens(1).mma.unwrap_or(MmaShape::new(4, 2, 2, 4, 2)), 1),
+    ] {
+        spec.loads_only = true;
+        if spec.fits() && spec.shared_bytes() <= smem_limit {
+            push(KernelSpec::ExpertMma { spec });
         }
     }
     for act in [Act::Bf16, Act::F32] {
