@@ -571,13 +571,12 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec
         }
     }
     // The loads-alone timing launches (`Stages::GateUpLoads` / `DownLoads`) of the one-token shape.
-    for mut spec in [
-        ExpertMmaSpec::gate_up(shape, topk, &MoeConfig::for_tokens(1).mma.unwrap_or(MmaShape::new(4, 2, 2, 4, 2)), 1),
-        ExpertMmaSpec::down(shape, topk, &MoeConfig::for_tokens(1).mma.unwrap_or(MmaShape::new(4, 2, 2, 4, 2)), 1),
-    ] {
-        spec.loads_only = true;
-        if spec.fits() && spec.shared_bytes() <= smem_limit {
-            push(KernelSpec::ExpertMma { spec });
+    if let Some(mm) = MoeConfig::for_tokens(1).mma {
+        for mut spec in [ExpertMmaSpec::gate_up(shape, topk, &mm, 1), ExpertMmaSpec::down(shape, topk, &mm, 1)] {
+            spec.loads_only = true;
+            if spec.fits() && spec.shared_bytes() <= smem_limit {
+                push(KernelSpec::ExpertMma { spec });
+            }
         }
     }
     for act in [Act::Bf16, Act::F32] {
