@@ -16,11 +16,14 @@
 //! through the BF16-weight GEMV kernel (f32 activations; prefill chunks through the f32-precision cuBLAS GEMM), and
 //! the absorbed attention (prefill chunks too) through the model's absorption kernels and the MLA attention kernel
 //! over the paged cache (`eyrie_quant::cuda::attention`: f32, no score matrix in memory). Before the splits, the copy
-//! bandwidth and a launch floor (us per dependent one-element op) are measured on GPU 0.
+//! bandwidth and a launch floor (us per dependent one-element op) are measured on GPU 0. A step ends as the engine's
+//! greedy step does: the next token of every sequence picked where the logits are (`sampling::device_argmax`: one
+//! launch, `batch` ids read back), or, without a device kernel (the CPU) or with `--read-logits` (sessions up to 18),
+//! with the whole `[batch, vocab]` logits copied to the host (655 KB a sequence at Kimi's vocabulary).
 //!
 //! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8] [--warmup 3]
 //!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR] [--compare-host-router]
-//!                     [--profile-steps N]
+//!                     [--profile-steps N] [--read-logits]
 //! (`--profile-steps N`: N more steps a batch between cuProfilerStart/Stop, for
 //! `ncu --profile-from-start off --metrics gpu__time_duration.sum --csv bench_decode ...`: per-kernel GPU times of
 //! decode steps alone; `scripts/ncu_step_summary.py` sums them by kernel)
@@ -157,6 +160,10 @@ struct Row {
     enqueue_ms: f64,
 }
 
+/// `--read-logits`: end each step with the whole logits rows copied to the host (the step before session 19)
+/// instead of the device argmax.
+static READ_LOGITS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// `--compare-host-router`: each batch also timed with the MoE router on the host.
 static COMPARE_HOST_ROUTER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -231,7 +238,19 @@ fn run_split<B: ParallelBackend>(
                 seqs.iter_mut().zip(&tokens).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
             let logits = group.forward_batch(&mut entries, &mut cache, LogitRows::Last, &device)?;
             let enqueue = start.elapsed().as_secs_f64() * 1e3;
-            let _ = logits.into_data();
+            let picked = if READ_LOGITS.load(std::sync::atomic::Ordering::Relaxed) {
+                None
+            } else {
+                eyrie_model::sampling::device_argmax(&logits)
+            };
+            match picked {
+                Some(ids) => {
+                    ids.map_err(|e| format!("device argmax: {e}"))?;
+                }
+                None => {
+                    let _ = logits.into_data();
+                }
+            }
             Ok(enqueue)
         };
         for i in 0..warmup {
@@ -389,10 +408,20 @@ fn write_json(
         })
         .collect();
     let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic weights (INT4 routed experts; dense weights BF16 values, held BF16 on CUDA)", "layers": layers,
-        "steps": steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "launch_floor_us": LAUNCH_US.get(), "rows": rows,
+        "steps": steps, "copy_bandwidth_gb_s": bandwidth / 1e9, "launch_floor_us": LAUNCH_US.get(),
+        "step_ends_with": step_end(), "rows": rows,
         "failures": failures});
     std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")?;
     Ok(())
+}
+
+/// How a timed step ends (in the table's caption and the JSON).
+fn step_end() -> &'static str {
+    if READ_LOGITS.load(std::sync::atomic::Ordering::Relaxed) {
+        "the logits rows read back (--read-logits)"
+    } else {
+        "the device argmax (ids read back; the logits rows where there is no device kernel)"
+    }
 }
 
 fn main() -> Result<(), Error> {
@@ -415,6 +444,7 @@ fn main() -> Result<(), Error> {
             "--device" => cpu = value()? == "cpu",
             "--config" => config_dir = Some(value()?),
             "--compare-host-router" => COMPARE_HOST_ROUTER.store(true, std::sync::atomic::Ordering::Relaxed),
+            "--read-logits" => READ_LOGITS.store(true, std::sync::atomic::Ordering::Relaxed),
             "--profile-steps" => PROFILE_STEPS.store(value()?.parse()?, std::sync::atomic::Ordering::Relaxed),
             other => return Err(format!("unknown argument {other}").into()),
         }
@@ -446,10 +476,11 @@ fn main() -> Result<(), Error> {
     };
     let (rows, failures) = outcomes;
     println!(
-        "\n{} layers, hidden {}, {} routed experts (INT4), dense weights BF16 on CUDA, context {context}, {warmup} warm-up and {steps} timed steps (median shown); copy bandwidth {:.0} GB/s; launch floor {:.1} us",
+        "\n{} layers, hidden {}, {} routed experts (INT4), dense weights BF16 on CUDA, context {context}, {warmup} warm-up and {steps} timed steps (median shown), each ending with {}; copy bandwidth {:.0} GB/s; launch floor {:.1} us",
         config.num_hidden_layers,
         config.hidden_size,
         config.n_routed_experts,
+        step_end(),
         bandwidth / 1e9,
         LAUNCH_US.get().copied().unwrap_or(f64::NAN)
     );

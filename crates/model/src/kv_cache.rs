@@ -409,11 +409,10 @@ impl<B: Backend> Mla<B> {
             (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank);
         let device = x.device();
 
-        // [N, H*(nope+rot)]
-        let q_rows = self.q.forward(x.clone());
+        // [N, H*(nope+rot)] and [N, r + rot] (the new latents before their norm and RoPE).
+        let (q_rows, kv_a) = self.project(x);
 
         // New latents: normalized c_kv and post-RoPE k_pe, [N, r + rot], into the cache.
-        let kv_a = self.kv_a_proj_with_mqa.forward(x);
         // On CUDA the step's rows and slots go to the device once a step (the first layer's call uploads them).
         #[cfg(feature = "cuda")]
         let step = if crate::cuda_ops::is_cuda::<B>() { cache.step_meta(spans, n) } else { None };

@@ -49,6 +49,33 @@ impl<B: Backend> QueryProjection<B> {
     }
 }
 
+impl<B: Backend> Mla<B> {
+    /// The queries `[n, H * qk_head_dim]` and `kv_a_proj_with_mqa(x)` `[n, kv_lora_rank + qk_rope]` of `x` `[n, d]`:
+    /// on CUDA at decode widths `q_a_proj` (or `q_proj`) and `kv_a_proj_with_mqa` in one GEMV launch
+    /// (`cuda_ops::gemv_pair_jobs`, the same results as two), else one after the other.
+    pub fn project(&self, x: Tensor<B, 2>) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        #[cfg(feature = "cuda")]
+        {
+            let first = match &self.q {
+                QueryProjection::Lora { q_a_proj, .. } => q_a_proj,
+                QueryProjection::Plain { q_proj } => q_proj,
+            };
+            let a = crate::cuda_ops::PairJob { w: &first.weight, up: None };
+            let b = crate::cuda_ops::PairJob { w: &self.kv_a_proj_with_mqa.weight, up: None };
+            if let Some((a, kv_a)) = crate::cuda_ops::gemv_pair_jobs(&x, a, b) {
+                let q = match &self.q {
+                    QueryProjection::Lora { q_a_layernorm, q_b_proj, .. } => {
+                        q_b_proj.forward(q_a_layernorm.forward(a))
+                    }
+                    QueryProjection::Plain { .. } => a,
+                };
+                return (q, kv_a);
+            }
+        }
+        (self.q.forward(x.clone()), self.kv_a_proj_with_mqa.forward(x))
+    }
+}
+
 /// One MLA block's weights and sizes.
 #[derive(Debug, Clone)]
 pub struct Mla<B: Backend> {

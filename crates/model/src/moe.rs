@@ -143,11 +143,45 @@ impl<B: Backend> Moe<B> {
     /// experts' combine launch: the same f32 sum), or `None` where that path cannot run (no device router, too many
     /// pairs, the host router forced). The shared expert is not included unless passed as `plus`.
     pub fn routed_on_device(&self, x: Tensor<B, 2>, plus: Option<&Tensor<B, 2>>) -> Option<Tensor<B, 2>> {
+        self.routed_on_device_with(x, None, plus)
+    }
+
+    /// [`Self::routed_on_device`] with the router's logits `x W_gate^T` already computed (`logits`, e.g. by
+    /// [`Self::shared_and_logits`]), or computed here when `None`.
+    pub fn routed_on_device_with(
+        &self,
+        x: Tensor<B, 2>,
+        logits: Option<Tensor<B, 2>>,
+        plus: Option<&Tensor<B, 2>>,
+    ) -> Option<Tensor<B, 2>> {
         let (fused, router) = (self.fused.as_ref()?, self.device_router.as_ref()?);
         if x.dims()[0] * self.params.top_k > KERNEL_MAX_PAIRS || crate::fused_moe::host_router() {
             return None;
         }
-        fused.run_routed_on_device(x.clone(), self.gate.forward(x), router, plus)
+        let logits = logits.unwrap_or_else(|| self.gate.forward(x.clone()));
+        fused.run_routed_on_device(x, logits, router, plus)
+    }
+
+    /// The shared expert's output on `x` `[n, d]`, and the router's logits `[n, E]` when this block routes on the
+    /// device and they came with it: on CUDA at decode widths the shared expert's gate/up (with SiLU * up) and the
+    /// router share one GEMV launch (`cuda_ops::gemv_pair_jobs`; the same results as separate launches). `None`
+    /// logits: compute them where needed ([`Self::routed_on_device_with`] does).
+    pub fn shared_and_logits(&self, x: Tensor<B, 2>) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
+        #[cfg(feature = "cuda")]
+        if self.device_router.is_some()
+            && !crate::fused_moe::host_router()
+            && let Some((h, logits)) = crate::cuda_ops::gemv_pair_jobs(
+                &x,
+                crate::cuda_ops::PairJob {
+                    w: &self.shared_experts.gate_proj.weight,
+                    up: Some(&self.shared_experts.up_proj.weight),
+                },
+                crate::cuda_ops::PairJob { w: &self.gate.weight, up: None },
+            )
+        {
+            return (self.shared_experts.down_proj.forward(h), Some(logits));
+        }
+        (self.shared_experts.forward(x), None)
     }
 
     /// The routed experts on rows of `x` `[n, d]`: `slots` are `(row, expert, weight)`, `expert` an index into
@@ -162,8 +196,8 @@ impl<B: Backend> Moe<B> {
 
     /// `[n, d] -> [n, d]`.
     pub fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let shared = self.shared_experts.forward(x.clone());
-        if let Some(out) = self.routed_on_device(x.clone(), Some(&shared)) {
+        let (shared, logits) = self.shared_and_logits(x.clone());
+        if let Some(out) = self.routed_on_device_with(x.clone(), logits, Some(&shared)) {
             return out;
         }
         let routing = self.routing(x.clone());

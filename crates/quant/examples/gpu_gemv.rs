@@ -11,6 +11,11 @@
 //! 1e-5 (f32 accumulation over at most 18432 terms in another order: a few 1e-7; a wrong weight, row or token
 //! shows as 1e-3 or more). Exit status 1 on a mismatch.
 //!
+//! Pairs (`gemv_pair`: two GEMVs of one input in one launch, as the model runs `q_a_proj` with
+//! `kv_a_proj_with_mqa` and the shared expert's gate/up with the router at 1-4 tokens): each job's output must
+//! equal its own launch's bit for bit (and the reference within the tolerance); both timed, the pair against the
+//! two launches back to back.
+//!
 //! Bench: microseconds per call (median of 9 runs of 20 back-to-back calls between device syncs; each call reads
 //! another copy of the weights, 256 MB of copies in all, so the 60 MB L2 does not hold them), GB/s of the bytes
 //! that must move (weights + activations + output) and their share of the copy bandwidth measured in the same run.
@@ -22,7 +27,9 @@ use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
 use eyrie_quant::cuda::copy_bandwidth;
-use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16, gemv_reference, swiglu_reference};
+use eyrie_quant::cuda::dense::{
+    GemvConfig, GemvJob, gemv_bf16, gemv_pair, gemv_reference, gemv_swiglu, swiglu_reference,
+};
 use eyrie_quant::cuda::dense_mma::{MmaGemvConfig, gemv_mma};
 
 type R = CudaRuntime;
@@ -209,6 +216,7 @@ fn main() -> Result<()> {
             }
         }
     }
+    failed |= pairs(&client, &mut rng, copy_bw, &mut rows_json)?;
     if let Some(path) = json {
         let doc = serde_json::json!({"kernel": "eyrie_quant::cuda::dense::gemv_bf16", "tolerance": TOL,
             "copy_bandwidth_gb_s": copy_bw / 1e9, "rows": rows_json});
@@ -218,4 +226,107 @@ fn main() -> Result<()> {
         bail!("GEMV results differ from the CPU reference beyond tolerance");
     }
     Ok(())
+}
+
+/// The model's GEMV pairs (`(name, rows, SwiGLU)` of job a, then job b; `k` 7168), at 1, 2 and 4 tokens: checks and
+/// times `gemv_pair` against the two launches it replaces. Returns whether any check failed.
+fn pairs(
+    client: &ComputeClient<R>,
+    rng: &mut SplitMix64,
+    copy_bw: f64,
+    rows_json: &mut Vec<serde_json::Value>,
+) -> Result<bool> {
+    const PAIRS: [[(&str, usize, bool); 2]; 2] =
+        [[("q_a_proj", 1536, false), ("kv_a_proj_with_mqa", 576, false)], [
+            ("shared gate/up", 2048, true),
+            ("router", 384, false),
+        ]];
+    let k = 7168;
+    println!(
+        "\n| pair | n | job a / job b (bit-identical to their own launches; vs reference) | two launches us | one \
+         pair launch us | pair GB/s | % of copy BW |\n|---|---|---|---|---|---|---|"
+    );
+    let mut failed = false;
+    for [a, b] in PAIRS {
+        // Weights (gate then up for a SwiGLU job), copies enough that 256 MB of them defeat the L2.
+        let mats = |rng: &mut SplitMix64, (_, rows, swiglu): (&str, usize, bool)| -> Vec<Vec<u16>> {
+            (0..if swiglu { 2 } else { 1 }).map(|_| weights(rng, rows, k)).collect()
+        };
+        let (wa, wb) = (mats(rng, a), mats(rng, b));
+        let bytes: usize = wa.iter().chain(&wb).map(|w| w.len() * 2).sum();
+        let copies = (256 << 20).div_ceil(bytes).max(1);
+        let upload = |ws: &[Vec<u16>]| -> Vec<Vec<_>> {
+            (0..copies).map(|_| ws.iter().map(|w| client.create_from_slice(u16::as_bytes(w))).collect()).collect()
+        };
+        let (da, db) = (upload(&wa), upload(&wb));
+        for n in [1usize, 2, 4] {
+            let x: Vec<f32> = rng.activations(n * k).iter().map(|v| v.to_f32()).collect();
+            let x_dev = client.create_from_slice(f32::as_bytes(&x));
+            let cfg = |(_, rows, swiglu): (&str, usize, bool)| {
+                if swiglu { GemvConfig::for_swiglu(n, rows, k, 264) } else { GemvConfig::for_shape(n, rows, k, 264) }
+            };
+            let (ca, cb) = (cfg(a), cfg(b));
+            let single = |job: (&str, usize, bool), w: &[burn::cubecl::server::Handle], out, cfg| {
+                if job.2 {
+                    gemv_swiglu(client, &x_dev, &w[0], &w[1], out, n, job.1, k, cfg)
+                } else {
+                    gemv_bf16(client, &x_dev, &w[0], out, n, job.1, k, cfg)
+                }
+                .map_err(anyhow::Error::msg)
+            };
+            let pair = |i: usize, oa, ob| {
+                let (ja, jb) = (pair_job(a, &da[i], oa, ca), pair_job(b, &db[i], ob, cb));
+                gemv_pair(client, &x_dev, n, k, ja, jb).map_err(anyhow::Error::msg)
+            };
+            let (sa, sb) = (client.empty(n * a.1 * 4), client.empty(n * b.1 * 4));
+            let (pa, pb) = (client.empty(n * a.1 * 4), client.empty(n * b.1 * 4));
+            single(a, &da[0], &sa, ca)?;
+            single(b, &db[0], &sb, cb)?;
+            pair(0, &pa, &pb)?;
+            let read = |h: &burn::cubecl::server::Handle| -> Result<Vec<u32>> {
+                Ok(u32::from_bytes(&client.read_one(h.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?).to_vec())
+            };
+            let same = read(&sa)? == read(&pa)? && read(&sb)? == read(&pb)?;
+            // Against the reference on every row (the short matrices of a pair are a few thousand rows).
+            let reference = |(_, rows, swiglu): (&str, usize, bool), w: &[Vec<u16>]| {
+                if swiglu { swiglu_reference(&x, &w[0], &w[1], n, rows, k) } else { gemv_reference(&x, &w[0], n, rows, k) }
+            };
+            let all = |rows: usize| (0..rows).collect::<Vec<_>>();
+            let (ea, oka) = check(client, &pa, &reference(a, &wa), n, a.1, &all(a.1))?;
+            let (eb, okb) = check(client, &pb, &reference(b, &wb), n, b.1, &all(b.1))?;
+            let ok = same && oka && okb;
+            failed |= !ok;
+            let two = time(client, |i| {
+                single(a, &da[i % copies], &sa, ca)?;
+                single(b, &db[i % copies], &sb, cb)
+            })?;
+            let one = time(client, |i| pair(i % copies, &pa, &pb))?;
+            let moved = (bytes + n * k * 4 + n * (a.1 + b.1) * 4) as f64;
+            println!(
+                "| {} + {} | {n} | {} {ea:.1e} / {eb:.1e} {} | {:.1} | {:.1} | {:.0} | {:.0} |",
+                a.0,
+                b.0,
+                if same { "identical" } else { "DIFFERENT" },
+                if ok { "ok" } else { "FAIL" },
+                two * 1e6,
+                one * 1e6,
+                moved / one / 1e9,
+                100.0 * moved / one / copy_bw
+            );
+            rows_json.push(serde_json::json!({"pair": [a.0, b.0], "n": n, "identical": same, "error_a": ea,
+                "error_b": eb, "ok": ok, "two_launches_us": two * 1e6, "pair_us": one * 1e6,
+                "pct_copy_bw": 100.0 * moved / one / copy_bw}));
+        }
+    }
+    Ok(failed)
+}
+
+/// A `gemv_pair` job of `(name, rows, SwiGLU)` over weights `w` (gate then up for SwiGLU).
+fn pair_job<'a>(
+    (_, rows, swiglu): (&str, usize, bool),
+    w: &'a [burn::cubecl::server::Handle],
+    out: &'a burn::cubecl::server::Handle,
+    cfg: GemvConfig,
+) -> GemvJob<'a> {
+    GemvJob { w: &w[0], w_up: if swiglu { Some(&w[1]) } else { None }, out, rows, cfg }
 }

@@ -327,6 +327,11 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                 KernelSpec::Gemv { k, cfg } | KernelSpec::GemvSwiglu { k, cfg } => {
                     json!({"k": k, "warps": cfg.warps, "rows_at_once": cfg.rows_at_once, "tb": cfg.tb})
                 }
+                KernelSpec::GemvPair { k, a, swiglu_a, b, swiglu_b } => json!({
+                    "k": k, "warps": a.warps, "tb": a.tb, "a": {"rows_at_once": a.rows_at_once, "ksplit": a.ksplit,
+                    "unroll": a.unroll, "swiglu": swiglu_a}, "b": {"rows_at_once": b.rows_at_once, "ksplit": b.ksplit,
+                    "unroll": b.unroll, "swiglu": swiglu_b},
+                }),
                 KernelSpec::GemvMma { k, cfg } => json!({
                     "k": k, "tb": cfg.tb, "tiles": cfg.tiles, "tasks": cfg.tasks, "ksplit": cfg.ksplit, "bv": cfg.bv, "gated": cfg.gated,
                 }),

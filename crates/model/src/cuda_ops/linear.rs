@@ -5,7 +5,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor};
-use eyrie_quant::cuda::dense::{GemvConfig, gemv_bf16, gemv_swiglu};
+use eyrie_quant::cuda::dense::{GemvConfig, GemvJob, gemv_bf16, gemv_pair, gemv_swiglu};
 use eyrie_quant::cuda::dense_mma::{MMA_GEMV_MAX_TOKENS, MmaGemvConfig, gemv_mma};
 use eyrie_quant::cuda::gemm::{Blas, gemm_f32_bf16w};
 
@@ -134,6 +134,69 @@ pub(crate) fn gemv_swiglu_pair<B: Backend>(
         }
     }
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
+}
+
+/// One GEMV of [`gemv_pair`]: `x W^T` (`up` `None`), or `silu(x W^T) * (x U^T)` (`up` the up projection: an MLP's
+/// gate/up pair), BF16 `[rows, k]` weights.
+pub(crate) struct PairJob<'a, B: Backend> {
+    /// `W` (the gate projection for SwiGLU).
+    pub w: &'a Tensor<B, 2>,
+    /// The up projection, or `None`.
+    pub up: Option<&'a Tensor<B, 2>>,
+}
+
+/// Two GEMVs of one input `x` `[n, k]` f32 in one launch of eyrie-quant's `gemv_pair` (each job's result equals its
+/// own launch's, bit for bit): at the CUDA-core GEMV's widths (up to [`gemv_max_tokens`] rows) with BF16 weights,
+/// else `None` (the caller runs the two as it did).
+pub(crate) fn gemv_pair_jobs<B: Backend>(
+    x: &Tensor<B, 2>,
+    a: PairJob<'_, B>,
+    b: PairJob<'_, B>,
+) -> Option<(Tensor<B, 2>, Tensor<B, 2>)> {
+    let [n, k] = x.dims();
+    if !is_cuda::<B>() || n == 0 || n > gemv_max_tokens() || !k.is_multiple_of(8) || x.dtype() != DType::F32 {
+        return None;
+    }
+    let fits = |j: &PairJob<'_, B>| {
+        let [rows, kw] = j.w.dims();
+        let up_fits = j.up.is_none_or(|u| u.dims() == [rows, k] && u.dtype() == DType::BF16);
+        (kw == k && j.w.dtype() == DType::BF16 && up_fits).then_some(rows)
+    };
+    let (rows_a, rows_b) = (fits(&a)?, fits(&b)?);
+    let xc = float(x.clone())?;
+    let client = xc.client.clone();
+    let sms = sms_of(&client);
+    let handles = |j: &PairJob<'_, B>| -> Option<(Cube, Option<Cube>)> {
+        Some((float(j.w.clone())?, match j.up {
+            Some(u) => Some(float(u.clone())?),
+            None => None,
+        }))
+    };
+    let (wa, ua) = handles(&a)?;
+    let (wb, ub) = handles(&b)?;
+    let cfg = |rows: usize, swiglu: bool| {
+        if swiglu { GemvConfig::for_swiglu(n, rows, k, 2 * sms) } else { GemvConfig::for_shape(n, rows, k, 2 * sms) }
+    };
+    let (out_a, out_b) = (client.empty(n * rows_a * 4), client.empty(n * rows_b * 4));
+    let job_a = GemvJob {
+        w: &wa.handle,
+        w_up: ua.as_ref().map(|u| &u.handle),
+        out: &out_a,
+        rows: rows_a,
+        cfg: cfg(rows_a, ua.is_some()),
+    };
+    let job_b = GemvJob {
+        w: &wb.handle,
+        w_up: ub.as_ref().map(|u| &u.handle),
+        out: &out_b,
+        rows: rows_b,
+        cfg: cfg(rows_b, ub.is_some()),
+    };
+    gemv_pair(&client, &xc.handle, n, k, job_a, job_b).ok()?;
+    let device = xc.device.clone();
+    let ya = back::<B, 2>(Cube::new_contiguous(client.clone(), device.clone(), Shape::new([n, rows_a]), out_a, DType::F32))?;
+    let yb = back::<B, 2>(Cube::new_contiguous(client, device, Shape::new([n, rows_b]), out_b, DType::F32))?;
+    Some((ya, yb))
 }
 
 thread_local! {

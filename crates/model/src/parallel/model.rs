@@ -320,12 +320,18 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         let [n, d] = x.dims();
         let moe = &sharded.moe;
         // This rank's shared-expert slice, added by the routed experts' combine where they run on the device.
-        let mut shared = spec.tp_contributes().then(|| moe.shared_experts.forward(x.clone()));
+        // With the router's logits where both come from one launch (`Moe::shared_and_logits`).
+        let (mut shared, logits) = if spec.tp_contributes() {
+            let (shared, logits) = moe.shared_and_logits(x.clone());
+            (Some(shared), logits)
+        } else {
+            (None, None)
+        };
         let mut out = if spec.ep > 1 && self.dispatch == ExpertDispatch::AllToAll {
             self.routed_all_to_all(sharded, x.clone(), comm)?
         } else if spec.ep_contributes()
             && sharded.first_expert == 0
-            && let Some(routed) = moe.routed_on_device(x.clone(), shared.as_ref())
+            && let Some(routed) = moe.routed_on_device_with(x.clone(), logits, shared.as_ref())
         {
             // This rank holds every expert (its device router is set only then): routed on the device.
             shared = None;

@@ -51,7 +51,10 @@ fn gemv_reference_f64(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize
 }
 
 #[cfg(feature = "cuda")]
-pub use gpu::{GemvConfig, bf16x8_dot, gemv_bf16, gemv_bf16_kernel, gemv_swiglu, gemv_swiglu_kernel};
+pub use gpu::{
+    GemvConfig, GemvJob, bf16x8_dot, gemv_bf16, gemv_bf16_kernel, gemv_pair, gemv_pair_kernel, gemv_swiglu,
+    gemv_swiglu_kernel,
+};
 
 #[cfg(feature = "cuda")]
 mod gpu {
@@ -253,10 +256,88 @@ mod gpu {
         }
     }
 
+    /// Block `block` of a GEMV launch (module docs of `eyrie_quant::cuda::dense`): one warp per `rows_at_once`
+    /// rows (and one `ksplit`-th of their `k`), `tb` tokens per pass (the grid's `y`). `sets` 1: `out = x W^T` for
+    /// `W` = `wg` (`wu` unused); `sets` 2: `out = silu(x Wg^T) * (x Wu^T)` (an MLP's gate and up, each warp owning
+    /// the same rows of both, twice the loads in flight). The body of [`gemv_bf16_kernel`],
+    /// [`gemv_swiglu_kernel`] and both halves of [`gemv_pair_kernel`].
+    #[cube]
+    #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
+    fn gemv_block<N: Size>(
+        x: &Array<Vector<f32, N>>,
+        wg: &Array<Vector<u32, N>>,
+        wu: &Array<Vector<u32, N>>,
+        out: &mut Array<f32>,
+        n: usize,
+        rows: usize,
+        block: usize,
+        #[comptime] k: usize,
+        #[comptime] rows_at_once: usize,
+        #[comptime] tb: usize,
+        #[comptime] warps: usize,
+        #[comptime] ksplit: usize,
+        #[comptime] unroll: usize,
+        #[comptime] sets: usize,
+    ) {
+        let lane = UNIT_POS_X as usize;
+        let warp = UNIT_POS_Y as usize;
+        // 16-byte weight vectors (8 weights) per row; 4-float activation vectors per token row.
+        let kv = comptime!(k / 8);
+        let k4 = comptime!(k / 4);
+        let ks = warp % ksplit;
+        let row0 = (block * comptime!(warps / ksplit) + warp / ksplit) * rows_at_once;
+        let t0 = CUBE_POS_Y as usize * tb;
+        // Gate (or the only) rows in accumulators and loads `0 .. rows_at_once * ..`, up rows after them.
+        let half = comptime!(rows_at_once * unroll);
+
+        let mut acc = Array::<f32>::new(comptime!(sets * rows_at_once * tb));
+        #[unroll]
+        for a in 0..comptime!(sets * rows_at_once * tb) {
+            acc[a] = f32::new(0.0);
+        }
+        let mut wv = Array::<Vector<u32, N>>::new(comptime!(sets * rows_at_once * unroll));
+        for ib in 0..comptime!(kv.div_ceil(32 * ksplit).div_ceil(unroll)) {
+            let i0 = ib * unroll;
+            load_stretches::<N>(wg, &mut wv, 0usize, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
+            if comptime!(sets == 2) {
+                load_stretches::<N>(wu, &mut wv, half, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
+            }
+            #[unroll]
+            for j in 0..unroll {
+                let v = ((i0 + j) * ksplit + ks) * 32 + lane;
+                if v < kv {
+                    stretch_products::<N>(x, &wv, &mut acc, v, j, t0, n, k4, rows_at_once, tb, unroll, sets);
+                }
+            }
+        }
+        #[unroll]
+        for a in 0..comptime!(sets * rows_at_once * tb) {
+            acc[a] = plane_sum(acc[a]);
+        }
+        sum_ksplit(&mut acc, warp, lane, comptime!(sets * rows_at_once * tb), warps, ksplit);
+        #[unroll]
+        for q in 0..rows_at_once {
+            #[unroll]
+            for t in 0..tb {
+                let row = row0 + q;
+                let tok = t0 + t;
+                if lane == 0 && ks == 0 && row < rows && tok < n {
+                    let g = acc[q * tb + t];
+                    if comptime!(sets == 2) {
+                        let u = acc[(rows_at_once + q) * tb + t];
+                        out[tok * rows + row] = g / (f32::new(1.0) + (-g).exp()) * u;
+                    } else {
+                        out[tok * rows + row] = g;
+                    }
+                }
+            }
+        }
+    }
+
     /// One warp per `rows_at_once` rows (and one `ksplit`-th of their `k`), `tb` tokens per pass (module docs of
     /// `eyrie_quant::cuda::dense`).
     #[cube(launch_unchecked, address_type = "dynamic")]
-    #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
+    #[allow(clippy::too_many_arguments)]
     pub fn gemv_bf16_kernel<N: Size>(
         x: &Array<Vector<f32, N>>,
         w: &Array<Vector<u32, N>>,
@@ -270,58 +351,16 @@ mod gpu {
         #[comptime] ksplit: usize,
         #[comptime] unroll: usize,
     ) {
-        let lane = UNIT_POS_X as usize;
-        let warp = UNIT_POS_Y as usize;
         // (`tokens`, not `n`: the launcher the macro writes has a `_n` of its own, for `N`.)
-        let n = tokens as usize;
-        let rows = rows as usize;
-        // 16-byte weight vectors (8 weights) per row; 4-float activation vectors per token row.
-        let kv = comptime!(k / 8);
-        let k4 = comptime!(k / 4);
-        let ks = warp % ksplit;
-        let row0 = (CUBE_POS_X as usize * comptime!(warps / ksplit) + warp / ksplit) * rows_at_once;
-        let t0 = CUBE_POS_Y as usize * tb;
-
-        let mut acc = Array::<f32>::new(comptime!(rows_at_once * tb));
-        #[unroll]
-        for a in 0..comptime!(rows_at_once * tb) {
-            acc[a] = f32::new(0.0);
-        }
-        let mut wv = Array::<Vector<u32, N>>::new(comptime!(rows_at_once * unroll));
-        for ib in 0..comptime!(kv.div_ceil(32 * ksplit).div_ceil(unroll)) {
-            let i0 = ib * unroll;
-            load_stretches::<N>(w, &mut wv, 0usize, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
-            #[unroll]
-            for j in 0..unroll {
-                let v = ((i0 + j) * ksplit + ks) * 32 + lane;
-                if v < kv {
-                    stretch_products::<N>(x, &wv, &mut acc, v, j, t0, n, k4, rows_at_once, tb, unroll, 1usize);
-                }
-            }
-        }
-        #[unroll]
-        for a in 0..comptime!(rows_at_once * tb) {
-            acc[a] = plane_sum(acc[a]);
-        }
-        sum_ksplit(&mut acc, warp, lane, comptime!(rows_at_once * tb), warps, ksplit);
-        #[unroll]
-        for q in 0..rows_at_once {
-            #[unroll]
-            for t in 0..tb {
-                let row = row0 + q;
-                let tok = t0 + t;
-                if lane == 0 && ks == 0 && row < rows && tok < n {
-                    out[tok * rows + row] = acc[q * tb + t];
-                }
-            }
-        }
+        let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
+        gemv_block::<N>(x, w, w, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 1usize);
     }
 
     /// [`gemv_bf16_kernel`] over two matrices at once, the gate and up projections of an MLP, writing
     /// `silu(gate) * up` (SwiGLU): one launch where the generic path has two GEMVs, a SiLU and a product. Each warp
     /// owns `rows_at_once` rows of both matrices (twice the loads in flight of the plain kernel).
     #[cube(launch_unchecked, address_type = "dynamic")]
-    #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
+    #[allow(clippy::too_many_arguments)]
     pub fn gemv_swiglu_kernel<N: Size>(
         x: &Array<Vector<f32, N>>,
         wg: &Array<Vector<u32, N>>,
@@ -336,53 +375,54 @@ mod gpu {
         #[comptime] ksplit: usize,
         #[comptime] unroll: usize,
     ) {
-        let lane = UNIT_POS_X as usize;
-        let warp = UNIT_POS_Y as usize;
-        let n = tokens as usize;
-        let rows = rows as usize;
-        let kv = comptime!(k / 8);
-        let k4 = comptime!(k / 4);
-        let ks = warp % ksplit;
-        let row0 = (CUBE_POS_X as usize * comptime!(warps / ksplit) + warp / ksplit) * rows_at_once;
-        let t0 = CUBE_POS_Y as usize * tb;
-        // Gate rows in accumulators and loads `0 .. rows_at_once * ..`, up rows after them.
-        let half = comptime!(rows_at_once * unroll);
+        let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
+        gemv_block::<N>(x, wg, wu, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 2usize);
+    }
 
-        let mut acc = Array::<f32>::new(comptime!(2 * rows_at_once * tb));
-        #[unroll]
-        for a in 0..comptime!(2 * rows_at_once * tb) {
-            acc[a] = f32::new(0.0);
-        }
-        let mut wv = Array::<Vector<u32, N>>::new(comptime!(2 * rows_at_once * unroll));
-        for ib in 0..comptime!(kv.div_ceil(32 * ksplit).div_ceil(unroll)) {
-            let i0 = ib * unroll;
-            load_stretches::<N>(wg, &mut wv, 0usize, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
-            load_stretches::<N>(wu, &mut wv, half, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
-            #[unroll]
-            for j in 0..unroll {
-                let v = ((i0 + j) * ksplit + ks) * 32 + lane;
-                if v < kv {
-                    stretch_products::<N>(x, &wv, &mut acc, v, j, t0, n, k4, rows_at_once, tb, unroll, 2usize);
-                }
-            }
-        }
-        #[unroll]
-        for a in 0..comptime!(2 * rows_at_once * tb) {
-            acc[a] = plane_sum(acc[a]);
-        }
-        sum_ksplit(&mut acc, warp, lane, comptime!(2 * rows_at_once * tb), warps, ksplit);
-        #[unroll]
-        for q in 0..rows_at_once {
-            #[unroll]
-            for t in 0..tb {
-                let g = acc[q * tb + t];
-                let u = acc[(rows_at_once + q) * tb + t];
-                let row = row0 + q;
-                let tok = t0 + t;
-                if lane == 0 && ks == 0 && row < rows && tok < n {
-                    out[tok * rows + row] = g / (f32::new(1.0) + (-g).exp()) * u;
-                }
-            }
+    /// Two GEMV jobs over the same input `x` in one launch ([`gemv_pair`]): blocks `0 .. blocks_a` run job `a`
+    /// (`out_a` from `wa`, and `wa_up` when `sets_a` is 2: SwiGLU), the rest job `b`, each with its own rows a
+    /// warp, k-split and loads in flight (`*_a`, `*_b`: the shapes [`GemvConfig`] picks for each alone); the same
+    /// warps a block and tokens a pass for both. Replaces two launches whose inputs are one tensor: a layer's
+    /// `q_a_proj` and `kv_a_proj_with_mqa`, an MoE layer's shared-expert gate/up and its router.
+    #[cube(launch_unchecked, address_type = "dynamic")]
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_pair_kernel<N: Size>(
+        x: &Array<Vector<f32, N>>,
+        wa: &Array<Vector<u32, N>>,
+        wa_up: &Array<Vector<u32, N>>,
+        out_a: &mut Array<f32>,
+        wb: &Array<Vector<u32, N>>,
+        wb_up: &Array<Vector<u32, N>>,
+        out_b: &mut Array<f32>,
+        tokens: u32,
+        rows_a: u32,
+        rows_b: u32,
+        blocks_a: u32,
+        #[comptime] k: usize,
+        #[comptime] tb: usize,
+        #[comptime] warps: usize,
+        #[comptime] rows_at_once_a: usize,
+        #[comptime] ksplit_a: usize,
+        #[comptime] unroll_a: usize,
+        #[comptime] sets_a: usize,
+        #[comptime] rows_at_once_b: usize,
+        #[comptime] ksplit_b: usize,
+        #[comptime] unroll_b: usize,
+        #[comptime] sets_b: usize,
+    ) {
+        let n = tokens as usize;
+        if CUBE_POS_X < blocks_a {
+            let block = CUBE_POS_X as usize;
+            let rows = rows_a as usize;
+            gemv_block::<N>(
+                x, wa, wa_up, out_a, n, rows, block, k, rows_at_once_a, tb, warps, ksplit_a, unroll_a, sets_a,
+            );
+        } else {
+            let block = (CUBE_POS_X - blocks_a) as usize;
+            let rows = rows_b as usize;
+            gemv_block::<N>(
+                x, wb, wb_up, out_b, n, rows, block, k, rows_at_once_b, tb, warps, ksplit_b, unroll_b, sets_b,
+            );
         }
     }
 
@@ -506,6 +546,94 @@ mod gpu {
                 cfg.warps,
                 cfg.ksplit,
                 cfg.unroll,
+            );
+        }
+        Ok(())
+    }
+
+    /// One job of [`gemv_pair`]: `out` `[n, rows]` f32 `= x W^T` (`w_up` `None`), or `silu(x W^T) * (x Wu^T)`
+    /// (`w_up` the up projection: SwiGLU), `W` and `Wu` `[rows, k]` BF16 (contiguous, row-major), in the launch
+    /// shape `cfg` ([`GemvConfig::for_shape`] / [`GemvConfig::for_swiglu`] for the job alone).
+    #[derive(Debug, Clone, Copy)]
+    pub struct GemvJob<'a> {
+        /// `W` (the gate projection for SwiGLU).
+        pub w: &'a Handle,
+        /// The up projection (SwiGLU), or `None`.
+        pub w_up: Option<&'a Handle>,
+        /// `[n, rows]` f32.
+        pub out: &'a Handle,
+        /// Rows of `W`.
+        pub rows: usize,
+        /// Launch shape.
+        pub cfg: GemvConfig,
+    }
+
+    /// Two GEMV jobs over one input `x` `[n, k]` f32 in one launch of [`gemv_pair_kernel`] (job `a`'s blocks
+    /// first): each job's result is the one [`gemv_bf16`] / [`gemv_swiglu`] gives with its `cfg`, bit for bit.
+    /// Both shapes must have the same warps a block and tokens a pass.
+    ///
+    /// # Errors
+    /// A message naming the job and parameter when a size or shape does not fit (nothing is launched then).
+    pub fn gemv_pair<R: Runtime>(
+        client: &ComputeClient<R>,
+        x: &Handle,
+        n: usize,
+        k: usize,
+        a: GemvJob<'_>,
+        b: GemvJob<'_>,
+    ) -> Result<(), String> {
+        if a.cfg.warps != b.cfg.warps || a.cfg.tb != b.cfg.tb {
+            return Err(format!(
+                "gemv_pair: job a's shape {:?} and job b's {:?} differ in warps or tokens a pass",
+                a.cfg, b.cfg
+            ));
+        }
+        let grid = |what: &str, names: [&str; 3], j: &GemvJob<'_>| {
+            let mut sizes = vec![("x", x, n * k * 4), (names[0], j.w, j.rows * k * 2), (names[1], j.out, n * j.rows * 4)];
+            if let Some(u) = j.w_up {
+                sizes.push((names[2], u, j.rows * k * 2));
+            }
+            gemv_launch(what, n, j.rows, k, &j.cfg, &sizes)
+        };
+        let (ca, _) = grid("gemv_pair job a", ["a.w", "a.out", "a.w_up"], &a)?;
+        let (cb, _) = grid("gemv_pair job b", ["b.w", "b.out", "b.w_up"], &b)?;
+        let (CubeCount::Static(blocks_a, ty, _), CubeCount::Static(blocks_b, _, _)) = (ca, cb) else {
+            return Err("gemv_pair: grids are static".into());
+        };
+        let len = |j: &GemvJob<'_>| (j.rows * k / 2).max(n * k).max(n * j.rows);
+        let address = AddressType::from_len(len(&a).max(len(&b)));
+        let sets = |j: &GemvJob<'_>| if j.w_up.is_some() { 2usize } else { 1 };
+        // SAFETY: sizes checked above (both jobs); each half clamps its row and token indices into range and writes
+        // only its own `out[tok * rows + row]` for `tok < n`, `row < rows`.
+        unsafe {
+            gemv_pair_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(blocks_a + blocks_b, ty, 1),
+                CubeDim::new_2d(32, a.cfg.warps as u32),
+                address,
+                4,
+                ArrayArg::from_raw_parts(x.clone(), n * k / 4),
+                ArrayArg::from_raw_parts(a.w.clone(), a.rows * k / 8),
+                ArrayArg::from_raw_parts(a.w_up.unwrap_or(a.w).clone(), a.rows * k / 8),
+                ArrayArg::from_raw_parts(a.out.clone(), n * a.rows),
+                ArrayArg::from_raw_parts(b.w.clone(), b.rows * k / 8),
+                ArrayArg::from_raw_parts(b.w_up.unwrap_or(b.w).clone(), b.rows * k / 8),
+                ArrayArg::from_raw_parts(b.out.clone(), n * b.rows),
+                n as u32,
+                a.rows as u32,
+                b.rows as u32,
+                blocks_a,
+                k,
+                a.cfg.tb,
+                a.cfg.warps,
+                a.cfg.rows_at_once,
+                a.cfg.ksplit,
+                a.cfg.unroll,
+                sets(&a),
+                b.cfg.rows_at_once,
+                b.cfg.ksplit,
+                b.cfg.unroll,
+                sets(&b),
             );
         }
         Ok(())

@@ -18,7 +18,7 @@ use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
 use half::bf16;
 
 use super::attention::{mla_attention_kernel, mla_combine_kernel};
-use super::dense::{gemv_bf16_kernel, gemv_swiglu_kernel};
+use super::dense::{gemv_bf16_kernel, gemv_pair_kernel, gemv_swiglu_kernel};
 use super::gemm::{split_bf16x3_kernel, sum3_kernel};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::mla::{mla_latent_kernel, mla_output_kernel, mla_query_kernel};
@@ -443,6 +443,65 @@ fn define_gemv_mma(k: usize, cfg: &super::dense_mma::MmaGemvConfig, props: &Devi
     )
 }
 
+fn define_gemv_pair(
+    k: usize,
+    (a, swiglu_a): (&super::dense::GemvConfig, bool),
+    (b, swiglu_b): (&super::dense::GemvConfig, bool),
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    use gemv_pair_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut bld = builder(props, address);
+    bld.scope.register_size::<N>(VEC);
+    let arr = ARRAY;
+    let x = <Array<Vector<f32, N>> as LaunchArg>::expand(&arr, &mut bld);
+    let wa = <Array<Vector<u32, N>> as LaunchArg>::expand(&arr, &mut bld);
+    let wa_up = <Array<Vector<u32, N>> as LaunchArg>::expand(&arr, &mut bld);
+    let out_a = <Array<f32> as LaunchArg>::expand_output(&arr, &mut bld);
+    let wb = <Array<Vector<u32, N>> as LaunchArg>::expand(&arr, &mut bld);
+    let wb_up = <Array<Vector<u32, N>> as LaunchArg>::expand(&arr, &mut bld);
+    let out_b = <Array<f32> as LaunchArg>::expand_output(&arr, &mut bld);
+    let tokens = <u32 as LaunchArg>::expand(&(), &mut bld);
+    let rows_a = <u32 as LaunchArg>::expand(&(), &mut bld);
+    let rows_b = <u32 as LaunchArg>::expand(&(), &mut bld);
+    let blocks_a = <u32 as LaunchArg>::expand(&(), &mut bld);
+    let sets = |swiglu: bool| if swiglu { 2usize } else { 1 };
+    gemv_pair_kernel::expand::<N>(
+        &mut bld.scope,
+        VEC,
+        x,
+        wa,
+        wa_up,
+        out_a,
+        wb,
+        wb_up,
+        out_b,
+        tokens,
+        rows_a,
+        rows_b,
+        blocks_a,
+        k,
+        a.tb,
+        a.warps,
+        a.rows_at_once,
+        a.ksplit,
+        a.unroll,
+        sets(swiglu_a),
+        b.rows_at_once,
+        b.ksplit,
+        b.unroll,
+        sets(swiglu_b),
+    );
+    let name = format!("gemv_pair_kernel_n_{VEC}");
+    bld.build(
+        KernelSettings::default()
+            .cube_dim(CubeDim::new_2d(32, a.warps as u32))
+            .address_type(address)
+            .kernel_name(name),
+    )
+}
+
 fn define_gemv_swiglu(k: usize, cfg: &super::dense::GemvConfig, props: &DeviceProperties) -> KernelDefinition {
     use gemv_swiglu_kernel::_N;
     type N = DynamicSize<_N>;
@@ -715,6 +774,9 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvSwiglu { k, cfg } => (define_gemv_swiglu(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvMma { k, cfg } => (define_gemv_mma(*k, cfg, &props), AddressType::U32),
+        KernelSpec::GemvPair { k, a, swiglu_a, b, swiglu_b } => {
+            (define_gemv_pair(*k, (a, *swiglu_a), (b, *swiglu_b), &props), AddressType::U32)
+        }
         KernelSpec::SplitBf16x3 => (define_split_bf16x3(&props), AddressType::U32),
         KernelSpec::Sum3 => (define_sum3(&props), AddressType::U32),
         KernelSpec::Route { experts, n_group, topk_group, top_k, norm, grouped } => {

@@ -382,6 +382,19 @@ pub enum KernelSpec {
         /// Launch shape.
         cfg: crate::cuda::dense::GemvConfig,
     },
+    /// `dense::gemv_pair_kernel` (two GEMV jobs of one input in one launch; `swiglu_*`: that job is a gate/up pair).
+    GemvPair {
+        /// Input width.
+        k: usize,
+        /// Job a's launch shape.
+        a: crate::cuda::dense::GemvConfig,
+        /// Job a is SwiGLU.
+        swiglu_a: bool,
+        /// Job b's launch shape (same warps and tokens a pass as `a`).
+        b: crate::cuda::dense::GemvConfig,
+        /// Job b is SwiGLU.
+        swiglu_b: bool,
+    },
     /// `gemm::split_bf16x3_kernel` (the prefill GEMM's exact split of its activations).
     SplitBf16x3,
     /// `gemm::sum3_kernel` (the prefill GEMM's sum of its three partial products).
@@ -469,7 +482,9 @@ impl KernelSpec {
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
             Self::MhaPrefill { .. } => CubeDim::new_1d(crate::cuda::prefill_attention::THREADS as u32),
             Self::ArgmaxRows => CubeDim::new_1d(crate::cuda::sampling::ARGMAX_THREADS as u32),
-            Self::Gemv { cfg, .. } | Self::GemvSwiglu { cfg, .. } => CubeDim::new_2d(32, cfg.warps as u32),
+            Self::Gemv { cfg, .. } | Self::GemvSwiglu { cfg, .. } | Self::GemvPair { a: cfg, .. } => {
+                CubeDim::new_2d(32, cfg.warps as u32)
+            }
             Self::GemvMma { cfg, .. } => CubeDim::new_2d(32, (cfg.tasks * cfg.ksplit) as u32),
             Self::SplitBf16x3 | Self::Sum3 => CubeDim::new_1d(256),
             Self::Route { .. } => CubeDim::new_1d(crate::cuda::router::ROUTE_THREADS as u32),
@@ -508,6 +523,24 @@ impl KernelSpec {
                 format!(
                     "gemv_swiglu k{k} warps{} rows{} tb{} ksplit{} unroll{}",
                     c.warps, c.rows_at_once, c.tb, c.ksplit, c.unroll
+                )
+            }
+            Self::GemvPair { k, a, swiglu_a, b, swiglu_b } => {
+                let job = |c: &crate::cuda::dense::GemvConfig, swiglu: bool| {
+                    format!(
+                        "{} rows{} ksplit{} unroll{}",
+                        if swiglu { "swiglu" } else { "plain" },
+                        c.rows_at_once,
+                        c.ksplit,
+                        c.unroll
+                    )
+                };
+                format!(
+                    "gemv_pair k{k} warps{} tb{} a {} b {}",
+                    a.warps,
+                    a.tb,
+                    job(a, *swiglu_a),
+                    job(b, *swiglu_b)
                 )
             }
             Self::GemvMma { k, cfg } => {
@@ -637,6 +670,22 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
                             out.push(spec);
                         }
                     }
+                }
+            }
+        }
+    }
+    // The model's GEMV pairs at the CUDA-core GEMV's widths (`cuda_ops::gemv_pair_jobs`): `q_a_proj` with
+    // `kv_a_proj_with_mqa`, the shared expert's gate/up with the router (Kimi-K2's rows).
+    for &k in ks {
+        for n in 1..=4 {
+            for (a, swiglu_a, b, swiglu_b) in [(1536, false, 576, false), (2048, true, 384, false)] {
+                let cfg = |rows, swiglu| {
+                    if swiglu { GemvConfig::for_swiglu(n, rows, k, 264) } else { GemvConfig::for_shape(n, rows, k, 264) }
+                };
+                let spec =
+                    KernelSpec::GemvPair { k, a: cfg(a, swiglu_a), swiglu_a, b: cfg(b, swiglu_b), swiglu_b };
+                if !out.contains(&spec) {
+                    out.push(spec);
                 }
             }
         }
