@@ -347,8 +347,9 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     "heads": heads, "nope": dims.0, "rot": dims.1, "vd": dims.2, "r": dims.3, "tb": tb,
                     "groups": groups, "interleave": interleave,
                 }),
-                KernelSpec::MlaOutput { heads, dims, ra, tb, warps } => json!({
+                KernelSpec::MlaOutput { heads, dims, ra, tb, warps, merge } => json!({
                     "heads": heads, "nope": dims.0, "vd": dims.1, "r": dims.2, "ra": ra, "tb": tb, "warps": warps,
+                    "merge": merge,
                 }),
                 KernelSpec::MlaLatent { r, rot, interleave } => json!({"r": r, "rot": rot, "interleave": interleave}),
             };

@@ -9,7 +9,7 @@ use burn::tensor::{DType, Int, Shape, Tensor};
 use cubecl::prelude::*;
 
 use eyrie_quant::cuda::mla::{
-    LATENT_WARPS, mla_latent_kernel, mla_output_kernel, mla_query_kernel, output_launch, query_launch,
+    LATENT_WARPS, mla_latent_kernel, mla_output_kernel, mla_query_kernel, output_launch, output_merges, query_launch,
 };
 
 use super::{Cube, back, float, int, is_cuda};
@@ -166,7 +166,7 @@ pub fn mla_absorbed<B: Backend>(
     scale: f64,
     dims: MlaDims,
 ) -> Option<Tensor<B, 2>> {
-    use eyrie_quant::cuda::attention::{AttentionConfig, MAX_ROWS, mla_attention};
+    use eyrie_quant::cuda::attention::{AttentionConfig, MAX_ROWS, mla_attention_parts};
     let MlaDims { heads, nope, rot, vd, r } = dims;
     let [n, qw] = q.dims();
     let [slots, width] = pool.dims();
@@ -242,23 +242,36 @@ pub fn mla_absorbed<B: Backend>(
         Some(meta) => meta,
         None => client.create_from_slice(u32::as_bytes(&rows.packed())),
     };
-    mla_attention(&client, &query, &pc.handle, slots, rows, &meta, &o_lat, heads, r, rot, scale as f32, cfg).ok()?;
+    // Split rows are merged by the output launch itself (`merge`), not by a combine launch of their own.
+    let parts =
+        mla_attention_parts(&client, &query, &pc.handle, slots, rows, &meta, &o_lat, heads, r, rot, scale as f32, cfg)
+            .ok()?;
+    let (tb, ra, warps) = output_launch(n, vd);
+    if !output_merges(warps) {
+        // A launch shape that cannot merge: the separate combine (if split), into `o_lat`.
+        eyrie_quant::cuda::attention::merge_parts(&client, &parts, n * heads, r, &o_lat);
+    }
+    let merge = parts.splits > 1 && output_merges(warps);
+    let (src, src_len) = if merge { (parts.o, parts.splits * n * heads * r) } else { (o_lat, n * heads * r) };
 
     // 3. Output [N, H vd].
-    let (tb, ra, warps) = output_launch(n, vd);
-    // SAFETY: o_lat holds [n, heads, r] (r % 8 == 0: whole 16-byte vectors), kv_b [heads (nope + vd), r]; the grid
-    // covers heads * vd columns exactly (vd % (warps * ra) == 0), token indices are clamped and written only < n.
+    // SAFETY: `src` holds [n, heads, r] (r % 8 == 0: whole 16-byte vectors), or with `merge` the slices [splits, n
+    // heads, r] with `ml` [splits, n heads, 2] (as `mla_attention_parts` reserved them); kv_b [heads (nope + vd), r];
+    // the grid covers heads * vd columns exactly (vd % (warps * ra) == 0), token indices are clamped and written
+    // only < n; a merging block has 8 warps (`output_merges`: at least the 128 threads the merge takes).
     unsafe {
         mla_output_kernel::launch_unchecked::<Cu>(
             &client,
             CubeCount::Static((heads * vd / (warps * ra)) as u32, n.div_ceil(tb) as u32, 1),
             CubeDim::new_2d(32, warps as u32),
-            AddressType::from_len((n * heads * r).max(heads * (nope + vd) * r / 2).max(n * heads * vd)),
+            AddressType::from_len(src_len.max(heads * (nope + vd) * r / 2).max(n * heads * vd)),
             4,
-            ArrayArg::from_raw_parts(o_lat, n * heads * r / 4),
+            ArrayArg::from_raw_parts(src, src_len / 4),
+            ArrayArg::from_raw_parts(parts.ml, parts.splits * n * heads * 2),
             ArrayArg::from_raw_parts(wc.handle.clone(), heads * (nope + vd) * r / 8),
             ArrayArg::from_raw_parts(out.clone(), n * heads * vd),
             n as u32,
+            parts.splits as u32,
             heads,
             nope,
             vd,
@@ -266,6 +279,7 @@ pub fn mla_absorbed<B: Backend>(
             ra,
             tb,
             warps,
+            merge,
         );
     }
     back::<B, 2>(Cube::new_contiguous(client, qc.device.clone(), Shape::new([n, heads * vd]), out, DType::F32))

@@ -8,6 +8,7 @@
 use burn::cubecl;
 use cubecl::prelude::*;
 
+use super::attention::merge_slices;
 use super::dense::bf16x8_dot;
 
 /// Warps of a [`mla_latent_kernel`] block (one row a block).
@@ -37,6 +38,12 @@ pub fn output_launch(n: usize, vd: usize) -> (usize, usize, usize) {
         _ => (8, 2, 8),
     };
     if vd.is_multiple_of(ra * warps) { (tb, ra, warps) } else { (tb, 1, 1) }
+}
+
+/// Whether an [`mla_output_kernel`] block of `warps` warps can merge the attention's slices itself (`merge`: the
+/// merge takes 128 threads).
+pub fn output_merges(warps: usize) -> bool {
+    warps * 32 >= 128
 }
 
 /// The attention kernel's queries from the query projection, in one launch: `out[t, h, ..r] = q_nope[t, h] W_uk[h]`
@@ -176,13 +183,20 @@ pub fn mla_query_kernel<N: Size>(
 /// . W_uv[h, v]` (`W_uv[h]` = rows `h (nope + vd) + nope .. + vd` of `kv_b_proj`, BF16, f32 products and sums), from
 /// the attention kernel's `o_lat` `[N, H, r]`. GEMV form (as eyrie-quant's `gemv_bf16`): a warp owns `ra` weight rows
 /// of one head, lane `l` streams the 16-byte vectors `l, l + 32, ..` of each, a warp sum finishes each dot product.
+///
+/// With `merge`, `o_lat` is instead the attention's unmerged slices `[splits, N H, r]` with their `(max, sum)`
+/// `ml_part` `[splits, N H, 2]` (`attention::AttentionParts`): each block first merges its head's `tb` rows into
+/// shared memory with `attention::merge_slices`, the combine launch's own code (the same values), and the merge
+/// launch and its gap are gone. Without `merge`, `ml_part` and `splits` are not read.
 #[cube(launch_unchecked, address_type = "dynamic")]
 #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
 pub fn mla_output_kernel<N: Size>(
     o_lat: &Array<Vector<f32, N>>,
+    ml_part: &Array<f32>,
     w: &Array<Vector<u32, N>>,
     out: &mut Array<f32>,
     tokens: u32,
+    splits: u32,
     #[comptime] heads: usize,
     #[comptime] nope: usize,
     #[comptime] vd: usize,
@@ -190,6 +204,7 @@ pub fn mla_output_kernel<N: Size>(
     #[comptime] ra: usize,
     #[comptime] tb: usize,
     #[comptime] warps: usize,
+    #[comptime] merge: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -202,6 +217,34 @@ pub fn mla_output_kernel<N: Size>(
     let kv = comptime!(r / 8);
     let k4 = comptime!(r / 4);
     let wrow0 = h * comptime!(nope + vd) + nope + v0;
+
+    // The merged rows of the block's head (`merge`): row `t` of the token tile at `t * k4`.
+    let mut merged = SharedMemory::<Vector<f32, N>>::new(comptime!(if merge { tb * r / 4 } else { 1 }));
+    if comptime!(merge) {
+        let tid = UNIT_POS as usize;
+        #[unroll]
+        for t in 0..tb {
+            let mut tok = t0 + t;
+            if tok >= n {
+                tok = n - 1;
+            }
+            let mut acc = Array::<f32>::new(comptime!(4 * (r / 4).div_ceil(128)));
+            merge_slices::<N>(o_lat, ml_part, &mut acc, n * heads, splits as usize, tok * heads + h, tid, r);
+            #[unroll]
+            for it in 0..comptime!((r / 4).div_ceil(128)) {
+                let c4 = it * 128 + tid;
+                if tid < 128 && c4 < k4 {
+                    let mut o = Vector::<f32, N>::empty();
+                    #[unroll]
+                    for e in 0..4usize {
+                        o[e] = acc[4 * it + e];
+                    }
+                    merged[t * k4 + c4] = o;
+                }
+            }
+        }
+        sync_cube();
+    }
 
     let mut acc = Array::<f32>::new(comptime!(ra * tb));
     #[unroll]
@@ -222,9 +265,14 @@ pub fn mla_output_kernel<N: Size>(
                 if tok >= n {
                     tok = n - 1;
                 }
+                // (The merged rows, or `o_lat`'s: chosen at compile time.)
                 let xb = (tok * heads + h) * k4;
-                let x0 = o_lat[xb + 2 * vi];
-                let x1 = o_lat[xb + 2 * vi + 1];
+                let mut x0 = o_lat[xb + 2 * vi];
+                let mut x1 = o_lat[xb + 2 * vi + 1];
+                if comptime!(merge) {
+                    x0 = merged[t * k4 + 2 * vi];
+                    x1 = merged[t * k4 + 2 * vi + 1];
+                }
                 #[unroll]
                 for q in 0..ra {
                     acc[q * tb + t] += bf16x8_dot::<N>(wv[q], x0, x1);

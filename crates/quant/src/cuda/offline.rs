@@ -718,6 +718,7 @@ fn define_mla_output(
     heads: usize,
     (nope, vd, r): (usize, usize, usize),
     (ra, tb, warps): (usize, usize, usize),
+    merge: bool,
     props: &DeviceProperties,
 ) -> KernelDefinition {
     use mla_output_kernel::_N;
@@ -727,10 +728,29 @@ fn define_mla_output(
     b.scope.register_size::<N>(VEC);
     let a = ARRAY;
     let o_lat = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand(&a, &mut b);
     let w = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
     let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
     let tokens = <u32 as LaunchArg>::expand(&(), &mut b);
-    mla_output_kernel::expand::<N>(&mut b.scope, VEC, o_lat, w, out, tokens, heads, nope, vd, r, ra, tb, warps);
+    let splits = <u32 as LaunchArg>::expand(&(), &mut b);
+    mla_output_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        o_lat,
+        ml_part,
+        w,
+        out,
+        tokens,
+        splits,
+        heads,
+        nope,
+        vd,
+        r,
+        ra,
+        tb,
+        warps,
+        merge,
+    );
     let name = format!("mla_output_kernel_n_{VEC}");
     let dim = CubeDim::new_2d(32, warps as u32);
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
@@ -788,8 +808,8 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::MlaQuery { heads, dims, tb, groups, interleave } => {
             (define_mla_query(*heads, *dims, *tb, *groups, *interleave, &props), AddressType::U32)
         }
-        KernelSpec::MlaOutput { heads, dims, ra, tb, warps } => {
-            (define_mla_output(*heads, *dims, (*ra, *tb, *warps), &props), AddressType::U32)
+        KernelSpec::MlaOutput { heads, dims, ra, tb, warps, merge } => {
+            (define_mla_output(*heads, *dims, (*ra, *tb, *warps), *merge, &props), AddressType::U32)
         }
         KernelSpec::MlaLatent { r, rot, interleave } => {
             (define_mla_latent(*r, *rot, *interleave, &props), AddressType::U32)

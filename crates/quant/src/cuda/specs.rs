@@ -458,6 +458,8 @@ pub enum KernelSpec {
         tb: usize,
         /// Warps per block.
         warps: usize,
+        /// Merges the attention's slices first (`mla::output_merges`).
+        merge: bool,
     },
     /// `mla::mla_latent_kernel` (kv_a norm + RoPE + the write into the cache).
     MlaLatent {
@@ -568,7 +570,9 @@ impl KernelSpec {
             Self::MlaQuery { heads, tb, groups, interleave, .. } => {
                 format!("mla_query h{heads} tb{tb} g{groups} il{}", u8::from(*interleave))
             }
-            Self::MlaOutput { heads, ra, tb, warps, .. } => format!("mla_output h{heads} ra{ra} tb{tb} w{warps}"),
+            Self::MlaOutput { heads, ra, tb, warps, merge, .. } => {
+                format!("mla_output h{heads} ra{ra} tb{tb} w{warps}{}", if *merge { " +merge" } else { "" })
+            }
             Self::MlaLatent { r, rot, interleave } => format!("mla_latent r{r} rot{rot} il{}", u8::from(*interleave)),
         }
     }
@@ -739,7 +743,11 @@ pub fn mla_and_norm_specs(norm_widths: &[usize]) -> Vec<KernelSpec> {
     for heads in [64, 32, 16, 8] {
         for n in [1, 2, 3, 4, 8, 16] {
             let (tb, ra, warps) = crate::cuda::mla::output_launch(n, vd);
-            push(KernelSpec::MlaOutput { heads, dims: (nope, vd, r), ra, tb, warps });
+            for merge in [false, true] {
+                if !merge || crate::cuda::mla::output_merges(warps) {
+                    push(KernelSpec::MlaOutput { heads, dims: (nope, vd, r), ra, tb, warps, merge });
+                }
+            }
         }
     }
     out
@@ -855,8 +863,12 @@ mod tests {
                     assert!(specs.contains(&q), "{q:?}");
                 }
                 let (tb, ra, warps) = crate::cuda::mla::output_launch(n, 128);
-                let o = KernelSpec::MlaOutput { heads, dims: (128, 128, 512), ra, tb, warps };
-                assert!(specs.contains(&o), "{o:?}");
+                for merge in [false, true] {
+                    let o = KernelSpec::MlaOutput { heads, dims: (128, 128, 512), ra, tb, warps, merge };
+                    assert_eq!(specs.contains(&o), !merge || crate::cuda::mla::output_merges(warps), "{o:?}");
+                }
+                // The decode shapes (up to 16 rows: 8 warps a block) merge the attention's slices themselves.
+                assert!(n > 16 || crate::cuda::mla::output_merges(warps), "{n} rows: {warps} warps");
             }
         }
         assert!(specs.contains(&KernelSpec::RmsNorm { width: 7168, add: true }));
