@@ -52,7 +52,8 @@ impl<B: Backend> QueryProjection<B> {
 impl<B: Backend> Mla<B> {
     /// The queries `[n, H * qk_head_dim]` and `kv_a_proj_with_mqa(x)` `[n, kv_lora_rank + qk_rope]` of `x` `[n, d]`:
     /// on CUDA at decode widths `q_a_proj` (or `q_proj`) and `kv_a_proj_with_mqa` in one GEMV launch
-    /// (`cuda_ops::gemv_pair_jobs`, the same results as two), else one after the other.
+    /// (`cuda_ops::gemv_pair_jobs`, the same results as two) and `q_a_layernorm` inside `q_b_proj`'s, else one after
+    /// the other.
     pub fn project(&self, x: Tensor<B, 2>) -> (Tensor<B, 2>, Tensor<B, 2>) {
         #[cfg(feature = "cuda")]
         {
@@ -63,9 +64,11 @@ impl<B: Backend> Mla<B> {
             let a = crate::cuda_ops::PairJob { w: &first.weight, up: None };
             let b = crate::cuda_ops::PairJob { w: &self.kv_a_proj_with_mqa.weight, up: None };
             if let Some((a, kv_a)) = crate::cuda_ops::gemv_pair_jobs(&x, a, b) {
+                // `q_a_layernorm` inside `q_b_proj`'s GEMV launch (`cuda_ops::gemv_normed`: the same values).
                 let q = match &self.q {
-                    QueryProjection::Lora { q_a_layernorm, q_b_proj, .. } => {
-                        q_b_proj.forward(q_a_layernorm.forward(a))
+                    QueryProjection::Lora { q_a_layernorm: norm, q_b_proj, .. } => {
+                        crate::cuda_ops::gemv_normed(&a, &norm.weight, norm.eps, &q_b_proj.weight)
+                            .unwrap_or_else(|| q_b_proj.forward(norm.forward(a)))
                     }
                     QueryProjection::Plain { .. } => a,
                 };

@@ -16,6 +16,9 @@
 //! equal its own launch's bit for bit (and the reference within the tolerance); both timed, the pair against the
 //! two launches back to back.
 //!
+//! Normed (`gemv_norm`: `q_a_layernorm` inside `q_b_proj`'s GEMV, as the model runs it at 1-4 tokens): equal bit
+//! for bit to the RMSNorm launch then the GEMV, within the tolerance of the f64 reference; timed against the two.
+//!
 //! Bench: microseconds per call (median of 9 runs of 20 back-to-back calls between device syncs; each call reads
 //! another copy of the weights, 256 MB of copies in all, so the 60 MB L2 does not hold them), GB/s of the bytes
 //! that must move (weights + activations + output) and their share of the copy bandwidth measured in the same run.
@@ -28,8 +31,9 @@ use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
 use eyrie_quant::cuda::copy_bandwidth;
 use eyrie_quant::cuda::dense::{
-    GemvConfig, GemvJob, gemv_bf16, gemv_pair, gemv_reference, gemv_swiglu, swiglu_reference,
+    GemvConfig, GemvJob, gemv_bf16, gemv_norm, gemv_pair, gemv_reference, gemv_swiglu, swiglu_reference,
 };
+use eyrie_quant::cuda::norm::{RMS_NORM_WARPS, rms_norm_kernel};
 use eyrie_quant::cuda::dense_mma::{MmaGemvConfig, gemv_mma};
 
 type R = CudaRuntime;
@@ -217,6 +221,7 @@ fn main() -> Result<()> {
         }
     }
     failed |= pairs(&client, &mut rng, copy_bw, &mut rows_json)?;
+    failed |= normed(&client, &mut rng, copy_bw, &mut rows_json)?;
     if let Some(path) = json {
         let doc = serde_json::json!({"kernel": "eyrie_quant::cuda::dense::gemv_bf16", "tolerance": TOL,
             "copy_bandwidth_gb_s": copy_bw / 1e9, "rows": rows_json});
@@ -329,4 +334,94 @@ fn pair_job<'a>(
     cfg: GemvConfig,
 ) -> GemvJob<'a> {
     GemvJob { w: &w[0], w_up: if swiglu { Some(&w[1]) } else { None }, out, rows, cfg }
+}
+
+/// `q_b_proj` (12288 x 1536) of `q_a_layernorm`'s output at 1, 2 and 4 tokens: `gemv_norm` against the RMSNorm
+/// launch then `gemv_bf16` (bit for bit) and the f64 reference (the norm in f64 too), both timed. Returns whether
+/// any check failed.
+fn normed(
+    client: &ComputeClient<R>,
+    rng: &mut SplitMix64,
+    copy_bw: f64,
+    rows_json: &mut Vec<serde_json::Value>,
+) -> Result<bool> {
+    let (rows, k, eps) = (12288usize, 1536usize, 1e-6f32);
+    let w = weights(rng, rows, k);
+    let copies = (256 << 20).div_ceil(rows * k * 2).max(1);
+    let w_dev: Vec<_> = (0..copies).map(|_| client.create_from_slice(u16::as_bytes(&w))).collect();
+    let g: Vec<f32> = (0..k).map(|_| 0.5 + rng.next_f32()).collect();
+    let g_dev = client.create_from_slice(f32::as_bytes(&g));
+    println!(
+        "\n| normed GEMV | n | vs norm + GEMV launches; vs reference | two launches us | one launch us | GB/s | % of copy BW |\n|---|---|---|---|---|---|---|"
+    );
+    let mut failed = false;
+    for n in [1usize, 2, 4] {
+        let x: Vec<f32> = rng.activations(n * k).iter().map(|v| v.to_f32() * 3.0).collect();
+        let x_dev = client.create_from_slice(f32::as_bytes(&x));
+        let cfg = GemvConfig::for_shape(n, rows, k, 264);
+        let (normed_dev, two, one) = (client.empty(n * k * 4), client.empty(n * rows * 4), client.empty(n * rows * 4));
+        let separate = |i: usize| -> Result<()> {
+            // SAFETY: x and normed hold [n, k] f32, g [k]; one block a row reads and writes row CUBE_POS_X < n.
+            unsafe {
+                rms_norm_kernel::launch_unchecked::<R>(
+                    client,
+                    CubeCount::Static(n as u32, 1, 1),
+                    CubeDim::new_2d(32, RMS_NORM_WARPS as u32),
+                    AddressType::U32,
+                    4,
+                    ArrayArg::from_raw_parts(x_dev.clone(), n * k / 4),
+                    ArrayArg::from_raw_parts(x_dev.clone(), n * k / 4),
+                    ArrayArg::from_raw_parts(g_dev.clone(), k / 4),
+                    ArrayArg::from_raw_parts(normed_dev.clone(), n * k / 4),
+                    ArrayArg::from_raw_parts(normed_dev.clone(), n * k / 4),
+                    eps,
+                    k,
+                    RMS_NORM_WARPS,
+                    false,
+                );
+            }
+            gemv_bf16(client, &normed_dev, &w_dev[i], &two, n, rows, k, cfg).map_err(anyhow::Error::msg)
+        };
+        let fused = |i: usize| {
+            gemv_norm(client, &x_dev, &g_dev, &w_dev[i], &one, (n, rows, k), eps, cfg).map_err(anyhow::Error::msg)
+        };
+        separate(0)?;
+        fused(0)?;
+        let read = |h: &burn::cubecl::server::Handle| -> Result<Vec<u32>> {
+            Ok(u32::from_bytes(&client.read_one(h.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?).to_vec())
+        };
+        let same = read(&two)? == read(&one)?;
+        // f64 reference: the norm in f64, rounded to f32 (the kernel's activations are f32), then the GEMV.
+        let mut xn = vec![0.0f32; n * k];
+        for t in 0..n {
+            let row = &x[t * k..(t + 1) * k];
+            let ms = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / k as f64;
+            let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+            for c in 0..k {
+                xn[t * k + c] = (f64::from(row[c]) * inv * f64::from(g[c])) as f32;
+            }
+        }
+        let checked: Vec<usize> = (0..rows).step_by(rows.div_ceil(256)).collect();
+        let w_checked: Vec<u16> = checked.iter().flat_map(|&r| w[r * k..(r + 1) * k].iter().copied()).collect();
+        let want = gemv_reference(&xn, &w_checked, n, checked.len(), k);
+        let (err, ok) = check(client, &one, &want, n, rows, &checked)?;
+        let ok = ok && same;
+        failed |= !ok;
+        let t_two = time(client, |i| separate(i % copies))?;
+        let t_one = time(client, |i| fused(i % copies))?;
+        let moved = (rows * k * 2 + n * k * 4 + k * 4 + n * rows * 4) as f64;
+        println!(
+            "| q_a_layernorm + q_b_proj | {n} | {} {err:.1e} {} | {:.1} | {:.1} | {:.0} | {:.0} |",
+            if same { "identical" } else { "DIFFERENT" },
+            if ok { "ok" } else { "FAIL" },
+            t_two * 1e6,
+            t_one * 1e6,
+            moved / t_one / 1e9,
+            100.0 * moved / t_one / copy_bw
+        );
+        rows_json.push(serde_json::json!({"normed": "q_a_layernorm + q_b_proj", "n": n, "identical": same,
+            "error": err, "ok": ok, "two_launches_us": t_two * 1e6, "one_launch_us": t_one * 1e6,
+            "pct_copy_bw": 100.0 * moved / t_one / copy_bw}));
+    }
+    Ok(failed)
 }

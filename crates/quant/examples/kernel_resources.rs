@@ -324,7 +324,7 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                 KernelSpec::MlaCombine { r } => json!({"r": r}),
                 KernelSpec::MhaPrefill { dims } => json!({"nope": dims.nope, "rot": dims.rot, "vd": dims.vd}),
                 KernelSpec::ArgmaxRows => json!({}),
-                KernelSpec::Gemv { k, cfg } | KernelSpec::GemvSwiglu { k, cfg } => {
+                KernelSpec::Gemv { k, cfg } | KernelSpec::GemvSwiglu { k, cfg } | KernelSpec::GemvNorm { k, cfg } => {
                     json!({"k": k, "warps": cfg.warps, "rows_at_once": cfg.rows_at_once, "tb": cfg.tb})
                 }
                 KernelSpec::GemvPair { k, a, swiglu_a, b, swiglu_b } => json!({

@@ -5,7 +5,7 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Shape, Tensor};
-use eyrie_quant::cuda::dense::{GemvConfig, GemvJob, gemv_bf16, gemv_pair, gemv_swiglu};
+use eyrie_quant::cuda::dense::{GemvConfig, GemvJob, gemv_bf16, gemv_norm, gemv_pair, gemv_swiglu};
 use eyrie_quant::cuda::dense_mma::{MMA_GEMV_MAX_TOKENS, MmaGemvConfig, gemv_mma};
 use eyrie_quant::cuda::gemm::{Blas, gemm_f32_bf16w};
 
@@ -133,6 +133,30 @@ pub(crate) fn gemv_swiglu_pair<B: Backend>(
             gemv_swiglu(&client, &xc.handle, &gc.handle, &uc.handle, &out, n, rows, k, cfg).ok()?;
         }
     }
+    back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
+}
+
+/// `RMSNorm(x) W^T` (the norm's weight `g` `[k]` f32 and `eps`; `W` `[rows, k]` BF16) in one launch of eyrie-quant's
+/// `gemv_norm` (the same values as the norm launch then [`gemv`]), at the CUDA-core GEMV's widths; else `None`.
+pub(crate) fn gemv_normed<B: Backend>(
+    x: &Tensor<B, 2>,
+    g: &Tensor<B, 1>,
+    eps: f64,
+    w: &Tensor<B, 2>,
+) -> Option<Tensor<B, 2>> {
+    let [n, k] = x.dims();
+    let [rows, kw] = w.dims();
+    if !is_cuda::<B>() || n == 0 || n > gemv_max_tokens() || kw != k || !k.is_multiple_of(8) || g.dims() != [k] {
+        return None;
+    }
+    if w.dtype() != DType::BF16 || x.dtype() != DType::F32 || g.dtype() != DType::F32 {
+        return None;
+    }
+    let (xc, gc, wc) = (float(x.clone())?, float(g.clone())?, float(w.clone())?);
+    let client = xc.client.clone();
+    let cfg = GemvConfig::for_shape(n, rows, k, 2 * sms_of(&client));
+    let out = client.empty(n * rows * 4);
+    gemv_norm(&client, &xc.handle, &gc.handle, &wc.handle, &out, (n, rows, k), eps as f32, cfg).ok()?;
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
 }
 

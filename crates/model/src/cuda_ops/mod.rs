@@ -26,7 +26,7 @@ pub use eyrie_quant::cuda::mla::{mla_latent_kernel, mla_output_kernel, mla_query
 pub use eyrie_quant::cuda::norm::rms_norm_kernel;
 pub use eyrie_quant::cuda::rope::rope_rows_kernel;
 pub use linear::{GEMV_MAX_TOKENS, gemv_max_tokens, mma_gemv_max_tokens};
-pub(crate) use linear::{PairJob, gemm, gemv, gemv_pair_jobs, gemv_swiglu_pair};
+pub(crate) use linear::{PairJob, gemm, gemv, gemv_normed, gemv_pair_jobs, gemv_swiglu_pair};
 pub use mla::{
     MHA_PREFILL_MIN_ROWS, MHA_SEGMENT_BYTES, MlaDims, check_mha_prefill, enable_mha_prefill, mha_prefill_env_set,
     mha_prefill_min_rows, mla_absorbed, mla_latent_write, mla_mha_prefill, warm_up_attention,

@@ -52,8 +52,8 @@ fn gemv_reference_f64(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize
 
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    GemvConfig, GemvJob, bf16x8_dot, gemv_bf16, gemv_bf16_kernel, gemv_pair, gemv_pair_kernel, gemv_swiglu,
-    gemv_swiglu_kernel,
+    GemvConfig, GemvJob, bf16x8_dot, gemv_bf16, gemv_bf16_kernel, gemv_norm, gemv_norm_kernel, gemv_pair, gemv_pair_kernel,
+    gemv_swiglu, gemv_swiglu_kernel,
 };
 
 #[cfg(feature = "cuda")]
@@ -192,6 +192,8 @@ mod gpu {
     #[allow(clippy::too_many_arguments)]
     fn stretch_products<N: Size>(
         x: &Array<Vector<f32, N>>,
+        g: &Array<Vector<f32, N>>,
+        inv: &Array<f32>,
         wv: &Array<Vector<u32, N>>,
         acc: &mut Array<f32>,
         v: usize,
@@ -203,6 +205,7 @@ mod gpu {
         #[comptime] tb: usize,
         #[comptime] unroll: usize,
         #[comptime] sets: usize,
+        #[comptime] norm: bool,
     ) {
         #[unroll]
         for t in 0..tb {
@@ -210,8 +213,17 @@ mod gpu {
             if tok >= n {
                 tok = n - 1;
             }
-            let x0 = x[tok * k4 + 2 * v];
-            let x1 = x[tok * k4 + 2 * v + 1];
+            let mut x0 = x[tok * k4 + 2 * v];
+            let mut x1 = x[tok * k4 + 2 * v + 1];
+            if comptime!(norm) {
+                // The RMSNorm of the row, as `norm::rms_norm_kernel` writes it: `(a * inv) * g`.
+                let (g0, g1, s) = (g[2 * v], g[2 * v + 1], inv[t]);
+                #[unroll]
+                for e in 0..4usize {
+                    x0[e] = x0[e] * s * g0[e];
+                    x1[e] = x1[e] * s * g1[e];
+                }
+            }
             #[unroll]
             for q in 0..rows_at_once {
                 #[unroll]
@@ -265,6 +277,8 @@ mod gpu {
     #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
     fn gemv_block<N: Size>(
         x: &Array<Vector<f32, N>>,
+        g: &Array<Vector<f32, N>>,
+        inv: &Array<f32>,
         wg: &Array<Vector<u32, N>>,
         wu: &Array<Vector<u32, N>>,
         out: &mut Array<f32>,
@@ -278,6 +292,7 @@ mod gpu {
         #[comptime] ksplit: usize,
         #[comptime] unroll: usize,
         #[comptime] sets: usize,
+        #[comptime] norm: bool,
     ) {
         let lane = UNIT_POS_X as usize;
         let warp = UNIT_POS_Y as usize;
@@ -306,7 +321,9 @@ mod gpu {
             for j in 0..unroll {
                 let v = ((i0 + j) * ksplit + ks) * 32 + lane;
                 if v < kv {
-                    stretch_products::<N>(x, &wv, &mut acc, v, j, t0, n, k4, rows_at_once, tb, unroll, sets);
+                    stretch_products::<N>(
+                        x, g, inv, &wv, &mut acc, v, j, t0, n, k4, rows_at_once, tb, unroll, sets, norm,
+                    );
                 }
             }
         }
@@ -353,7 +370,8 @@ mod gpu {
     ) {
         // (`tokens`, not `n`: the launcher the macro writes has a `_n` of its own, for `N`.)
         let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
-        gemv_block::<N>(x, w, w, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 1usize);
+        let none = Array::<f32>::new(1usize);
+        gemv_block::<N>(x, x, &none, w, w, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 1usize, false);
     }
 
     /// [`gemv_bf16_kernel`] over two matrices at once, the gate and up projections of an MLP, writing
@@ -376,7 +394,8 @@ mod gpu {
         #[comptime] unroll: usize,
     ) {
         let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
-        gemv_block::<N>(x, wg, wu, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 2usize);
+        let none = Array::<f32>::new(1usize);
+        gemv_block::<N>(x, x, &none, wg, wu, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 2usize, false);
     }
 
     /// Two GEMV jobs over the same input `x` in one launch ([`gemv_pair`]): blocks `0 .. blocks_a` run job `a`
@@ -411,19 +430,93 @@ mod gpu {
         #[comptime] sets_b: usize,
     ) {
         let n = tokens as usize;
+        let none = Array::<f32>::new(1usize);
         if CUBE_POS_X < blocks_a {
             let block = CUBE_POS_X as usize;
             let rows = rows_a as usize;
             gemv_block::<N>(
-                x, wa, wa_up, out_a, n, rows, block, k, rows_at_once_a, tb, warps, ksplit_a, unroll_a, sets_a,
+                x, x, &none, wa, wa_up, out_a, n, rows, block, k, rows_at_once_a, tb, warps, ksplit_a, unroll_a, sets_a,
+                false,
             );
         } else {
             let block = (CUBE_POS_X - blocks_a) as usize;
             let rows = rows_b as usize;
             gemv_block::<N>(
-                x, wb, wb_up, out_b, n, rows, block, k, rows_at_once_b, tb, warps, ksplit_b, unroll_b, sets_b,
+                x, x, &none, wb, wb_up, out_b, n, rows, block, k, rows_at_once_b, tb, warps, ksplit_b, unroll_b, sets_b,
+                false,
             );
         }
+    }
+
+    /// [`gemv_bf16_kernel`] of the RMSNorm of `x`: `out = (x_t / rms(x_t) * g) W^T` for each token row `x_t` (`g`
+    /// the norm's weight `[k]`, `eps` its epsilon): each block first takes the inverse RMS of its pass's token rows
+    /// with `norm::rms_norm_kernel`'s own sums (8 warps, the same thread order: the same bits), then scales each
+    /// activation vector as it is used. Replaces a norm launch before a GEMV (a layer's `q_a_layernorm` before
+    /// `q_b_proj`). `warps` must be 8 for the norm's bits (the launcher checks).
+    #[cube(launch_unchecked, address_type = "dynamic")]
+    #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+    pub fn gemv_norm_kernel<N: Size>(
+        x: &Array<Vector<f32, N>>,
+        g: &Array<Vector<f32, N>>,
+        w: &Array<Vector<u32, N>>,
+        out: &mut Array<f32>,
+        tokens: u32,
+        rows: u32,
+        eps: f32,
+        #[comptime] k: usize,
+        #[comptime] rows_at_once: usize,
+        #[comptime] tb: usize,
+        #[comptime] warps: usize,
+        #[comptime] ksplit: usize,
+        #[comptime] unroll: usize,
+    ) {
+        let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
+        let tid = UNIT_POS as usize;
+        let lane = UNIT_POS_X as usize;
+        let warp = UNIT_POS_Y as usize;
+        let kv4 = comptime!(k / 4);
+        let threads = comptime!(32 * warps);
+        let iters = comptime!((k / 4).div_ceil(32 * warps));
+        let mut inv = Array::<f32>::new(tb);
+        #[unroll]
+        for t in 0..tb {
+            let mut tok = CUBE_POS_Y as usize * tb + t;
+            if tok >= n {
+                tok = n - 1;
+            }
+            let mut vals = Array::<Vector<f32, N>>::new(iters);
+            #[unroll]
+            for i in 0..iters {
+                let v = tid + i * threads;
+                if v < kv4 {
+                    vals[i] = x[tok * kv4 + v];
+                }
+            }
+            let mut ss = f32::new(0.0);
+            #[unroll]
+            for i in 0..iters {
+                let v = tid + i * threads;
+                if v < kv4 {
+                    let a = vals[i];
+                    ss += a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
+                }
+            }
+            let sw = plane_sum(ss);
+            let mut part = SharedMemory::<f32>::new(warps);
+            if lane == 0 {
+                part[warp] = sw;
+            }
+            sync_cube();
+            let mut total = f32::new(0.0);
+            #[unroll]
+            for q in 0..warps {
+                total += part[q];
+            }
+            inv[t] = f32::new(1.0) / (total / f32::new(comptime!(k as f32)) + eps).sqrt();
+            // Every warp has read `part` before the next token's sums go in.
+            sync_cube();
+        }
+        gemv_block::<N>(x, g, &inv, w, w, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 1usize, true);
     }
 
     /// The checks and the grid shared by [`gemv_bf16`] and [`gemv_swiglu`]: `n`, `rows`, `k` at least 1 and `k` a
@@ -540,6 +633,58 @@ mod gpu {
                 ArrayArg::from_raw_parts(out.clone(), n * rows),
                 n as u32,
                 rows as u32,
+                k,
+                cfg.rows_at_once,
+                cfg.tb,
+                cfg.warps,
+                cfg.ksplit,
+                cfg.unroll,
+            );
+        }
+        Ok(())
+    }
+
+    /// `out` `[n, rows]` f32 `= RMSNorm(x) W^T` in one launch of [`gemv_norm_kernel`]: `x` `[n, k]` f32, the norm's
+    /// weight `g` `[k]` f32 and `eps`, `W` `[rows, k]` BF16 (each contiguous, row-major). The same values as
+    /// `norm::rms_norm_kernel` then [`gemv_bf16`] with `cfg`, which must have 8 warps (the norm kernel's).
+    ///
+    /// # Errors
+    /// A message naming the parameter when a size or the shape does not fit (nothing is launched then).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_norm<R: Runtime>(
+        client: &ComputeClient<R>,
+        x: &Handle,
+        g: &Handle,
+        w: &Handle,
+        out: &Handle,
+        (n, rows, k): (usize, usize, usize),
+        eps: f32,
+        cfg: GemvConfig,
+    ) -> Result<(), String> {
+        if cfg.warps != crate::cuda::norm::RMS_NORM_WARPS {
+            return Err(format!(
+                "gemv_norm: launch shape {cfg:?}: {} warps a block (the norm kernel's)",
+                crate::cuda::norm::RMS_NORM_WARPS
+            ));
+        }
+        let sizes = [("x", x, n * k * 4), ("g", g, k * 4), ("w", w, rows * k * 2), ("out", out, n * rows * 4)];
+        let (count, address) = gemv_launch("gemv_norm", n, rows, k, &cfg, &sizes)?;
+        // SAFETY: sizes checked above; the kernel clamps row and token indices into range, reads `g` vectors `< k / 4`
+        // and writes only `out[tok * rows + row]` for `tok < n`, `row < rows`.
+        unsafe {
+            gemv_norm_kernel::launch_unchecked::<R>(
+                client,
+                count,
+                CubeDim::new_2d(32, cfg.warps as u32),
+                address,
+                4,
+                ArrayArg::from_raw_parts(x.clone(), n * k / 4),
+                ArrayArg::from_raw_parts(g.clone(), k / 4),
+                ArrayArg::from_raw_parts(w.clone(), rows * k / 8),
+                ArrayArg::from_raw_parts(out.clone(), n * rows),
+                n as u32,
+                rows as u32,
+                eps,
                 k,
                 cfg.rows_at_once,
                 cfg.tb,

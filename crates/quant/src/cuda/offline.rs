@@ -18,7 +18,7 @@ use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
 use half::bf16;
 
 use super::attention::{mla_attention_kernel, mla_combine_kernel};
-use super::dense::{gemv_bf16_kernel, gemv_pair_kernel, gemv_swiglu_kernel};
+use super::dense::{gemv_bf16_kernel, gemv_norm_kernel, gemv_pair_kernel, gemv_swiglu_kernel};
 use super::gemm::{split_bf16x3_kernel, sum3_kernel};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::mla::{mla_latent_kernel, mla_output_kernel, mla_query_kernel};
@@ -443,6 +443,47 @@ fn define_gemv_mma(k: usize, cfg: &super::dense_mma::MmaGemvConfig, props: &Devi
     )
 }
 
+fn define_gemv_norm(k: usize, cfg: &super::dense::GemvConfig, props: &DeviceProperties) -> KernelDefinition {
+    use gemv_norm_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let x = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let g = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let w = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let tokens = <u32 as LaunchArg>::expand(&(), &mut b);
+    let rows = <u32 as LaunchArg>::expand(&(), &mut b);
+    let eps = <f32 as LaunchArg>::expand(&(), &mut b);
+    let c = cfg;
+    gemv_norm_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        x,
+        g,
+        w,
+        out,
+        tokens,
+        rows,
+        eps,
+        k,
+        c.rows_at_once,
+        c.tb,
+        c.warps,
+        c.ksplit,
+        c.unroll,
+    );
+    let name = format!("gemv_norm_kernel_n_{VEC}");
+    b.build(
+        KernelSettings::default()
+            .cube_dim(CubeDim::new_2d(32, cfg.warps as u32))
+            .address_type(address)
+            .kernel_name(name),
+    )
+}
+
 fn define_gemv_pair(
     k: usize,
     (a, swiglu_a): (&super::dense::GemvConfig, bool),
@@ -794,6 +835,7 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvSwiglu { k, cfg } => (define_gemv_swiglu(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvMma { k, cfg } => (define_gemv_mma(*k, cfg, &props), AddressType::U32),
+        KernelSpec::GemvNorm { k, cfg } => (define_gemv_norm(*k, cfg, &props), AddressType::U32),
         KernelSpec::GemvPair { k, a, swiglu_a, b, swiglu_b } => {
             (define_gemv_pair(*k, (a, *swiglu_a), (b, *swiglu_b), &props), AddressType::U32)
         }

@@ -382,6 +382,13 @@ pub enum KernelSpec {
         /// Launch shape.
         cfg: crate::cuda::dense::GemvConfig,
     },
+    /// `dense::gemv_norm_kernel` (a GEMV of the RMSNorm of its input).
+    GemvNorm {
+        /// Input width.
+        k: usize,
+        /// Launch shape (8 warps).
+        cfg: crate::cuda::dense::GemvConfig,
+    },
     /// `dense::gemv_pair_kernel` (two GEMV jobs of one input in one launch; `swiglu_*`: that job is a gate/up pair).
     GemvPair {
         /// Input width.
@@ -484,7 +491,10 @@ impl KernelSpec {
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
             Self::MhaPrefill { .. } => CubeDim::new_1d(crate::cuda::prefill_attention::THREADS as u32),
             Self::ArgmaxRows => CubeDim::new_1d(crate::cuda::sampling::ARGMAX_THREADS as u32),
-            Self::Gemv { cfg, .. } | Self::GemvSwiglu { cfg, .. } | Self::GemvPair { a: cfg, .. } => {
+            Self::Gemv { cfg, .. }
+            | Self::GemvSwiglu { cfg, .. }
+            | Self::GemvNorm { cfg, .. }
+            | Self::GemvPair { a: cfg, .. } => {
                 CubeDim::new_2d(32, cfg.warps as u32)
             }
             Self::GemvMma { cfg, .. } => CubeDim::new_2d(32, (cfg.tasks * cfg.ksplit) as u32),
@@ -527,6 +537,10 @@ impl KernelSpec {
                     c.warps, c.rows_at_once, c.tb, c.ksplit, c.unroll
                 )
             }
+            Self::GemvNorm { k, cfg: c } => format!(
+                "gemv_norm k{k} warps{} rows{} tb{} ksplit{} unroll{}",
+                c.warps, c.rows_at_once, c.tb, c.ksplit, c.unroll
+            ),
             Self::GemvPair { k, a, swiglu_a, b, swiglu_b } => {
                 let job = |c: &crate::cuda::dense::GemvConfig, swiglu: bool| {
                     format!(
@@ -674,6 +688,18 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
                             out.push(spec);
                         }
                     }
+                }
+            }
+        }
+    }
+    // The model's normed GEMV (`q_a_layernorm` into `q_b_proj`: k = q_lora_rank, Kimi's 1536 and DeepSeek-V2's 512)
+    // at the CUDA-core GEMV's widths, over a tensor-parallel rank's share of the 64 heads' 12288 rows.
+    for k in [1536, 512] {
+        for n in 1..=4 {
+            for rows in [12288, 6144, 3072, 1536] {
+                let spec = KernelSpec::GemvNorm { k, cfg: GemvConfig::for_shape(n, rows, k, 264) };
+                if !out.contains(&spec) {
+                    out.push(spec);
                 }
             }
         }
