@@ -242,23 +242,23 @@ pub fn mla_absorbed<B: Backend>(
         Some(meta) => meta,
         None => client.create_from_slice(u32::as_bytes(&rows.packed())),
     };
-    // Split rows are merged by the output launch itself (`merge`), not by a combine launch of their own.
+    // Split rows of a one-row step are merged by the output launch itself (`merge`), not by a combine launch.
     let parts =
         mla_attention_parts(&client, &query, &pc.handle, slots, rows, &meta, &o_lat, heads, r, rot, scale as f32, cfg)
             .ok()?;
     let (tb, ra, warps) = output_launch(n, vd);
-    if !output_merges(warps) {
+    let merge = parts.splits > 1 && output_merges((tb, ra, warps));
+    if !merge {
         // A launch shape that cannot merge: the separate combine (if split), into `o_lat`.
         eyrie_quant::cuda::attention::merge_parts(&client, &parts, n * heads, r, &o_lat);
     }
-    let merge = parts.splits > 1 && output_merges(warps);
     let (src, src_len) = if merge { (parts.o, parts.splits * n * heads * r) } else { (o_lat, n * heads * r) };
 
     // 3. Output [N, H vd].
     // SAFETY: `src` holds [n, heads, r] (r % 8 == 0: whole 16-byte vectors), or with `merge` the slices [splits, n
     // heads, r] with `ml` [splits, n heads, 2] (as `mla_attention_parts` reserved them); kv_b [heads (nope + vd), r];
     // the grid covers heads * vd columns exactly (vd % (warps * ra) == 0), token indices are clamped and written
-    // only < n; a merging block has 8 warps (`output_merges`: at least the 128 threads the merge takes).
+    // only < n; a merging block has one token and 8 warps (`output_merges`: at least the 128 threads the merge takes).
     unsafe {
         mla_output_kernel::launch_unchecked::<Cu>(
             &client,

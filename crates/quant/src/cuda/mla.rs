@@ -40,10 +40,12 @@ pub fn output_launch(n: usize, vd: usize) -> (usize, usize, usize) {
     if vd.is_multiple_of(ra * warps) { (tb, ra, warps) } else { (tb, 1, 1) }
 }
 
-/// Whether an [`mla_output_kernel`] block of `warps` warps can merge the attention's slices itself (`merge`: the
-/// merge takes 128 threads).
-pub fn output_merges(warps: usize) -> bool {
-    warps * 32 >= 128
+/// Whether the [`mla_output_kernel`] launch shape `(tb, ra, warps)` ([`output_launch`]) merges the attention's
+/// slices itself (`merge`): one token a block (each block merges its tokens one after another: at 8 tokens a block
+/// the merged launch made a batch-8 step of the 10-layer slice 0.3 ms slower, bench/REPORT.md session 19) and at
+/// least the 128 threads the merge takes.
+pub fn output_merges((tb, _, warps): (usize, usize, usize)) -> bool {
+    tb == 1 && warps * 32 >= 128
 }
 
 /// The attention kernel's queries from the query projection, in one launch: `out[t, h, ..r] = q_nope[t, h] W_uk[h]`
@@ -218,6 +220,22 @@ pub fn mla_output_kernel<N: Size>(
     let k4 = comptime!(r / 4);
     let wrow0 = h * comptime!(nope + vd) + nope + v0;
 
+    // With `merge`, the warp's weights are loaded first (all of them: `ra` rows of `r` BF16, 2 vectors a lane at
+    // Kimi's 512) so their latency overlaps the merge's; without it, a row group at a time in the loop below.
+    let ahead = comptime!(if merge { ra * kv.div_ceil(32) } else { 1 });
+    let mut wall = Array::<Vector<u32, N>>::new(ahead);
+    if comptime!(merge) {
+        #[unroll]
+        for i in 0..comptime!(kv.div_ceil(32)) {
+            let vi = lane + 32 * i;
+            if vi < kv {
+                #[unroll]
+                for q in 0..ra {
+                    wall[i * ra + q] = w[(wrow0 + q) * kv + vi];
+                }
+            }
+        }
+    }
     // The merged rows of the block's head (`merge`): row `t` of the token tile at `t * k4`.
     let mut merged = SharedMemory::<Vector<f32, N>>::new(comptime!(if merge { tb * r / 4 } else { 1 }));
     if comptime!(merge) {
@@ -252,12 +270,17 @@ pub fn mla_output_kernel<N: Size>(
         acc[a] = f32::new(0.0);
     }
     let mut wv = Array::<Vector<u32, N>>::new(ra);
+    #[unroll]
     for i in 0..comptime!(kv.div_ceil(32)) {
         let vi = lane + 32 * i;
         if vi < kv {
             #[unroll]
             for q in 0..ra {
-                wv[q] = w[(wrow0 + q) * kv + vi];
+                if comptime!(merge) {
+                    wv[q] = wall[i * ra + q];
+                } else {
+                    wv[q] = w[(wrow0 + q) * kv + vi];
+                }
             }
             #[unroll]
             for t in 0..tb {

@@ -770,7 +770,7 @@ pub fn mla_and_norm_specs(norm_widths: &[usize]) -> Vec<KernelSpec> {
         for n in [1, 2, 3, 4, 8, 16] {
             let (tb, ra, warps) = crate::cuda::mla::output_launch(n, vd);
             for merge in [false, true] {
-                if !merge || crate::cuda::mla::output_merges(warps) {
+                if !merge || crate::cuda::mla::output_merges((tb, ra, warps)) {
                     push(KernelSpec::MlaOutput { heads, dims: (nope, vd, r), ra, tb, warps, merge });
                 }
             }
@@ -891,10 +891,11 @@ mod tests {
                 let (tb, ra, warps) = crate::cuda::mla::output_launch(n, 128);
                 for merge in [false, true] {
                     let o = KernelSpec::MlaOutput { heads, dims: (128, 128, 512), ra, tb, warps, merge };
-                    assert_eq!(specs.contains(&o), !merge || crate::cuda::mla::output_merges(warps), "{o:?}");
+                    let merges = crate::cuda::mla::output_merges((tb, ra, warps));
+                    assert_eq!(specs.contains(&o), !merge || merges, "{o:?}");
                 }
-                // The decode shapes (up to 16 rows: 8 warps a block) merge the attention's slices themselves.
-                assert!(n > 16 || crate::cuda::mla::output_merges(warps), "{n} rows: {warps} warps");
+                // One row (a batch-1 decode step) merges the attention's slices in the output launch.
+                assert_eq!(n == 1, crate::cuda::mla::output_merges((tb, ra, warps)), "{n} rows");
             }
         }
         assert!(specs.contains(&KernelSpec::RmsNorm { width: 7168, add: true }));
