@@ -136,8 +136,14 @@ pub(crate) fn gemv_swiglu_pair<B: Backend>(
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
 }
 
+/// Most rows [`gemv_normed`] takes: each block takes its rows' norms one after another, so at 4 rows `q_b_proj`'s
+/// normed launch took 31.6 us against 25.5 for the norm launch and the GEMV (H200, `gpu_gemv`; 1 row 19.0 against
+/// 23.4, 2 rows 19.4 against 21.1: bench/REPORT.md, session 19).
+const GEMV_NORMED_MAX_TOKENS: usize = 2;
+
 /// `RMSNorm(x) W^T` (the norm's weight `g` `[k]` f32 and `eps`; `W` `[rows, k]` BF16) in one launch of eyrie-quant's
-/// `gemv_norm` (the same values as the norm launch then [`gemv`]), at the CUDA-core GEMV's widths; else `None`.
+/// `gemv_norm` (the same values as the norm launch then [`gemv`]), at up to [`GEMV_NORMED_MAX_TOKENS`] rows; else
+/// `None`.
 pub(crate) fn gemv_normed<B: Backend>(
     x: &Tensor<B, 2>,
     g: &Tensor<B, 1>,
@@ -146,7 +152,8 @@ pub(crate) fn gemv_normed<B: Backend>(
 ) -> Option<Tensor<B, 2>> {
     let [n, k] = x.dims();
     let [rows, kw] = w.dims();
-    if !is_cuda::<B>() || n == 0 || n > gemv_max_tokens() || kw != k || !k.is_multiple_of(8) || g.dims() != [k] {
+    let max = GEMV_NORMED_MAX_TOKENS.min(gemv_max_tokens());
+    if !is_cuda::<B>() || n == 0 || n > max || kw != k || !k.is_multiple_of(8) || g.dims() != [k] {
         return None;
     }
     if w.dtype() != DType::BF16 || x.dtype() != DType::F32 || g.dtype() != DType::F32 {

@@ -692,10 +692,10 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
             }
         }
     }
-    // The model's normed GEMV (`q_a_layernorm` into `q_b_proj`: k = q_lora_rank, Kimi's 1536 and DeepSeek-V2's 512)
-    // at the CUDA-core GEMV's widths, over a tensor-parallel rank's share of the 64 heads' 12288 rows.
+    // The model's normed GEMV (`q_a_layernorm` into `q_b_proj`: k = q_lora_rank: Kimi's 1536, and 512)
+    // at the widths it takes (1-2 rows), over a tensor-parallel rank's share of the 64 heads' 12288 rows.
     for k in [1536, 512] {
-        for n in 1..=4 {
+        for n in 1..=2 {
             for rows in [12288, 6144, 3072, 1536] {
                 let spec = KernelSpec::GemvNorm { k, cfg: GemvConfig::for_shape(n, rows, k, 264) };
                 if !out.contains(&spec) {
