@@ -33,8 +33,8 @@ use eyrie_quant::cuda::copy_bandwidth;
 use eyrie_quant::cuda::dense::{
     GemvConfig, GemvJob, gemv_bf16, gemv_norm, gemv_pair, gemv_reference, gemv_swiglu, swiglu_reference,
 };
-use eyrie_quant::cuda::norm::{RMS_NORM_WARPS, rms_norm_kernel};
 use eyrie_quant::cuda::dense_mma::{MmaGemvConfig, gemv_mma};
+use eyrie_quant::cuda::norm::{RMS_NORM_WARPS, rms_norm_kernel};
 
 type R = CudaRuntime;
 
@@ -241,11 +241,10 @@ fn pairs(
     copy_bw: f64,
     rows_json: &mut Vec<serde_json::Value>,
 ) -> Result<bool> {
-    const PAIRS: [[(&str, usize, bool); 2]; 2] =
-        [[("q_a_proj", 1536, false), ("kv_a_proj_with_mqa", 576, false)], [
-            ("shared gate/up", 2048, true),
-            ("router", 384, false),
-        ]];
+    const PAIRS: [[(&str, usize, bool); 2]; 2] = [
+        [("q_a_proj", 1536, false), ("kv_a_proj_with_mqa", 576, false)],
+        [("shared gate/up", 2048, true), ("router", 384, false)],
+    ];
     let k = 7168;
     println!(
         "\n| pair | n | job a / job b (bit-identical to their own launches; vs reference) | two launches us | one \
@@ -294,7 +293,11 @@ fn pairs(
             let same = read(&sa)? == read(&pa)? && read(&sb)? == read(&pb)?;
             // Against the reference on every row (the short matrices of a pair are a few thousand rows).
             let reference = |(_, rows, swiglu): (&str, usize, bool), w: &[Vec<u16>]| {
-                if swiglu { swiglu_reference(&x, &w[0], &w[1], n, rows, k) } else { gemv_reference(&x, &w[0], n, rows, k) }
+                if swiglu {
+                    swiglu_reference(&x, &w[0], &w[1], n, rows, k)
+                } else {
+                    gemv_reference(&x, &w[0], n, rows, k)
+                }
             };
             let all = |rows: usize| (0..rows).collect::<Vec<_>>();
             let (ea, oka) = check(client, &pa, &reference(a, &wa), n, a.1, &all(a.1))?;

@@ -198,10 +198,13 @@ pub(crate) fn gemv_pair_jobs<B: Backend>(
     let client = xc.client.clone();
     let sms = sms_of(&client);
     let handles = |j: &PairJob<'_, B>| -> Option<(Cube, Option<Cube>)> {
-        Some((float(j.w.clone())?, match j.up {
-            Some(u) => Some(float(u.clone())?),
-            None => None,
-        }))
+        Some((
+            float(j.w.clone())?,
+            match j.up {
+                Some(u) => Some(float(u.clone())?),
+                None => None,
+            },
+        ))
     };
     let (wa, ua) = handles(&a)?;
     let (wb, ub) = handles(&b)?;
@@ -225,7 +228,8 @@ pub(crate) fn gemv_pair_jobs<B: Backend>(
     };
     gemv_pair(&client, &xc.handle, n, k, job_a, job_b).ok()?;
     let device = xc.device.clone();
-    let ya = back::<B, 2>(Cube::new_contiguous(client.clone(), device.clone(), Shape::new([n, rows_a]), out_a, DType::F32))?;
+    let ya =
+        back::<B, 2>(Cube::new_contiguous(client.clone(), device.clone(), Shape::new([n, rows_a]), out_a, DType::F32))?;
     let yb = back::<B, 2>(Cube::new_contiguous(client, device, Shape::new([n, rows_b]), out_b, DType::F32))?;
     Some((ya, yb))
 }

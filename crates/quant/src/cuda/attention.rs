@@ -299,8 +299,8 @@ impl AttentionConfig {
 
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    AttentionParts, merge_parts, merge_slices, mla_attention, mla_attention_kernel, mla_attention_parts, mla_combine_kernel, warm_up,
-    write_rows, write_rows_kernel,
+    AttentionParts, merge_parts, merge_slices, mla_attention, mla_attention_kernel, mla_attention_parts,
+    mla_combine_kernel, warm_up, write_rows, write_rows_kernel,
 };
 
 #[cfg(feature = "cuda")]

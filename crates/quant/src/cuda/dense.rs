@@ -52,8 +52,8 @@ fn gemv_reference_f64(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize
 
 #[cfg(feature = "cuda")]
 pub use gpu::{
-    GemvConfig, GemvJob, bf16x8_dot, gemv_bf16, gemv_bf16_kernel, gemv_norm, gemv_norm_kernel, gemv_pair, gemv_pair_kernel,
-    gemv_swiglu, gemv_swiglu_kernel,
+    GemvConfig, GemvJob, bf16x8_dot, gemv_bf16, gemv_bf16_kernel, gemv_norm, gemv_norm_kernel, gemv_pair,
+    gemv_pair_kernel, gemv_swiglu, gemv_swiglu_kernel,
 };
 
 #[cfg(feature = "cuda")]
@@ -322,7 +322,21 @@ mod gpu {
                 let v = ((i0 + j) * ksplit + ks) * 32 + lane;
                 if v < kv {
                     stretch_products::<N>(
-                        x, g, inv, &wv, &mut acc, v, j, t0, n, k4, rows_at_once, tb, unroll, sets, norm,
+                        x,
+                        g,
+                        inv,
+                        &wv,
+                        &mut acc,
+                        v,
+                        j,
+                        t0,
+                        n,
+                        k4,
+                        rows_at_once,
+                        tb,
+                        unroll,
+                        sets,
+                        norm,
                     );
                 }
             }
@@ -371,7 +385,25 @@ mod gpu {
         // (`tokens`, not `n`: the launcher the macro writes has a `_n` of its own, for `N`.)
         let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
         let none = Array::<f32>::new(1usize);
-        gemv_block::<N>(x, x, &none, w, w, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 1usize, false);
+        gemv_block::<N>(
+            x,
+            x,
+            &none,
+            w,
+            w,
+            out,
+            n,
+            rows,
+            block,
+            k,
+            rows_at_once,
+            tb,
+            warps,
+            ksplit,
+            unroll,
+            1usize,
+            false,
+        );
     }
 
     /// [`gemv_bf16_kernel`] over two matrices at once, the gate and up projections of an MLP, writing
@@ -395,7 +427,25 @@ mod gpu {
     ) {
         let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
         let none = Array::<f32>::new(1usize);
-        gemv_block::<N>(x, x, &none, wg, wu, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 2usize, false);
+        gemv_block::<N>(
+            x,
+            x,
+            &none,
+            wg,
+            wu,
+            out,
+            n,
+            rows,
+            block,
+            k,
+            rows_at_once,
+            tb,
+            warps,
+            ksplit,
+            unroll,
+            2usize,
+            false,
+        );
     }
 
     /// Two GEMV jobs over the same input `x` in one launch ([`gemv_pair`]): blocks `0 .. blocks_a` run job `a`
@@ -435,14 +485,44 @@ mod gpu {
             let block = CUBE_POS_X as usize;
             let rows = rows_a as usize;
             gemv_block::<N>(
-                x, x, &none, wa, wa_up, out_a, n, rows, block, k, rows_at_once_a, tb, warps, ksplit_a, unroll_a, sets_a,
+                x,
+                x,
+                &none,
+                wa,
+                wa_up,
+                out_a,
+                n,
+                rows,
+                block,
+                k,
+                rows_at_once_a,
+                tb,
+                warps,
+                ksplit_a,
+                unroll_a,
+                sets_a,
                 false,
             );
         } else {
             let block = (CUBE_POS_X - blocks_a) as usize;
             let rows = rows_b as usize;
             gemv_block::<N>(
-                x, x, &none, wb, wb_up, out_b, n, rows, block, k, rows_at_once_b, tb, warps, ksplit_b, unroll_b, sets_b,
+                x,
+                x,
+                &none,
+                wb,
+                wb_up,
+                out_b,
+                n,
+                rows,
+                block,
+                k,
+                rows_at_once_b,
+                tb,
+                warps,
+                ksplit_b,
+                unroll_b,
+                sets_b,
                 false,
             );
         }
@@ -516,7 +596,25 @@ mod gpu {
             // Every warp has read `part` before the next token's sums go in.
             sync_cube();
         }
-        gemv_block::<N>(x, g, &inv, w, w, out, n, rows, block, k, rows_at_once, tb, warps, ksplit, unroll, 1usize, true);
+        gemv_block::<N>(
+            x,
+            g,
+            &inv,
+            w,
+            w,
+            out,
+            n,
+            rows,
+            block,
+            k,
+            rows_at_once,
+            tb,
+            warps,
+            ksplit,
+            unroll,
+            1usize,
+            true,
+        );
     }
 
     /// The checks and the grid shared by [`gemv_bf16`] and [`gemv_swiglu`]: `n`, `rows`, `k` at least 1 and `k` a
@@ -734,7 +832,8 @@ mod gpu {
             ));
         }
         let grid = |what: &str, names: [&str; 3], j: &GemvJob<'_>| {
-            let mut sizes = vec![("x", x, n * k * 4), (names[0], j.w, j.rows * k * 2), (names[1], j.out, n * j.rows * 4)];
+            let mut sizes =
+                vec![("x", x, n * k * 4), (names[0], j.w, j.rows * k * 2), (names[1], j.out, n * j.rows * 4)];
             if let Some(u) = j.w_up {
                 sizes.push((names[2], u, j.rows * k * 2));
             }

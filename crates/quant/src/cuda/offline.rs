@@ -536,10 +536,7 @@ fn define_gemv_pair(
     );
     let name = format!("gemv_pair_kernel_n_{VEC}");
     bld.build(
-        KernelSettings::default()
-            .cube_dim(CubeDim::new_2d(32, a.warps as u32))
-            .address_type(address)
-            .kernel_name(name),
+        KernelSettings::default().cube_dim(CubeDim::new_2d(32, a.warps as u32)).address_type(address).kernel_name(name),
     )
 }
 

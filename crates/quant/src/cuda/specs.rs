@@ -494,9 +494,7 @@ impl KernelSpec {
             Self::Gemv { cfg, .. }
             | Self::GemvSwiglu { cfg, .. }
             | Self::GemvNorm { cfg, .. }
-            | Self::GemvPair { a: cfg, .. } => {
-                CubeDim::new_2d(32, cfg.warps as u32)
-            }
+            | Self::GemvPair { a: cfg, .. } => CubeDim::new_2d(32, cfg.warps as u32),
             Self::GemvMma { cfg, .. } => CubeDim::new_2d(32, (cfg.tasks * cfg.ksplit) as u32),
             Self::SplitBf16x3 | Self::Sum3 => CubeDim::new_1d(256),
             Self::Route { .. } => CubeDim::new_1d(crate::cuda::router::ROUTE_THREADS as u32),
@@ -551,13 +549,7 @@ impl KernelSpec {
                         c.unroll
                     )
                 };
-                format!(
-                    "gemv_pair k{k} warps{} tb{} a {} b {}",
-                    a.warps,
-                    a.tb,
-                    job(a, *swiglu_a),
-                    job(b, *swiglu_b)
-                )
+                format!("gemv_pair k{k} warps{} tb{} a {} b {}", a.warps, a.tb, job(a, *swiglu_a), job(b, *swiglu_b))
             }
             Self::GemvMma { k, cfg } => {
                 let c = cfg;
@@ -710,10 +702,13 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
         for n in 1..=4 {
             for (a, swiglu_a, b, swiglu_b) in [(1536, false, 576, false), (2048, true, 384, false)] {
                 let cfg = |rows, swiglu| {
-                    if swiglu { GemvConfig::for_swiglu(n, rows, k, 264) } else { GemvConfig::for_shape(n, rows, k, 264) }
+                    if swiglu {
+                        GemvConfig::for_swiglu(n, rows, k, 264)
+                    } else {
+                        GemvConfig::for_shape(n, rows, k, 264)
+                    }
                 };
-                let spec =
-                    KernelSpec::GemvPair { k, a: cfg(a, swiglu_a), swiglu_a, b: cfg(b, swiglu_b), swiglu_b };
+                let spec = KernelSpec::GemvPair { k, a: cfg(a, swiglu_a), swiglu_a, b: cfg(b, swiglu_b), swiglu_b };
                 if !out.contains(&spec) {
                     out.push(spec);
                 }
