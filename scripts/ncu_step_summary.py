@@ -8,8 +8,9 @@ cannot be told apart in the CSV). Each kernel is replayed alone under ncu, so a 
 own GPU time with no launch gap; the sum over a step is the GPU's busy time, and the step's wall time minus it is
 what launches, gaps and host waits cost.
 
-usage: python3 scripts/ncu_step_summary.py CSV --steps N [--batch B] [--top K] [--json OUT]
-(--batch: the batch the run profiled, a label for the table and the JSON key)
+usage: python3 scripts/ncu_step_summary.py CSV --steps N [--batch B] [--top K] [--json OUT] [--order]
+(--batch: the batch the run profiled, a label for the table and the JSON key; --order: also every launch of the
+first profiled step in the order it ran, with its grid and GPU time, e.g. to read one layer's launches)
 """
 import argparse
 import collections
@@ -31,6 +32,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json")
+    ap.add_argument("--order", action="store_true")
     a = ap.parse_args()
     batches = [a.batch]
     launches = []
@@ -62,6 +64,12 @@ def main():
         table = sorted(by.items(), key=lambda kv: -kv[1][1])
         for name, (n, us) in table[: a.top]:
             print(f"| {name} | {n / a.steps:.0f} | {us / a.steps:.1f} | {100 * us / a.steps / total:.1f}% | {us / n:.1f} |")
+        if a.order:
+            print(f"\nthe first profiled step's launches in order (batch {batch})")
+            print("| # | kernel | grid | block | us |")
+            print("|---|---|---|---|---|")
+            for j, (name, grid, block, us) in enumerate(rows[: len(rows) // a.steps]):
+                print(f"| {j} | {name} | {grid} | {block} | {us:.1f} |")
         out[str(batch)] = {"launches_per_step": len(rows) / a.steps, "gpu_busy_ms_per_step": total / 1e3,
                            "kernels": {k: {"launches_per_step": n / a.steps, "us_per_step": us / a.steps}
                                        for k, (n, us) in table}}
