@@ -9,6 +9,8 @@
 //!   tested in CI.
 //! - `kernels` and [`gpu`] (feature `cuda`): the CubeCL kernels and their launches; [`specs`]: the kernel
 //!   specialisations (comptime arguments) of those launches, all of them listed once.
+//! - [`attention_merge`] (feature `cuda`): the merge of the attention's slices (the combine launch, and the merge the
+//!   MLA output launch runs itself at one token).
 //! - [`resources`]: ptxas resource reports and per-architecture block limits; [`offline`] (feature `cuda`): the
 //!   CUDA C++ of each specialisation for a target architecture, made without a GPU (`cargo xtask kernels`).
 
@@ -23,6 +25,8 @@ pub mod resources;
 pub mod router;
 pub mod sampling;
 
+#[cfg(feature = "cuda")]
+pub mod attention_merge;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 #[cfg(feature = "cuda")]

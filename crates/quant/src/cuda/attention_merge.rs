@@ -1,0 +1,197 @@
+//! The merge of an MLA attention's slices (flash decoding: a row's positions split over blocks, each leaving its
+//! normalized output and `(max, sum)`): [`merge_slices`], the merge of one (row, head) by a block's first 128 threads,
+//! run by the combine launch [`mla_combine_kernel`] (one block a (row, head), [`merge_parts`] launches it) and, at
+//! one token a block, by `mla::mla_output_kernel` itself (`merge`). What an unmerged attention leaves is
+//! [`AttentionParts`] (`attention::mla_attention_parts`). The CPU reference of the merge is the attention's
+//! (`attention::mla_attention_reference` merges nothing: it is the unsplit attention the merge must equal).
+
+use burn::cubecl;
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+
+/// Merges the slices of each (row, head): weights `l_s exp(m_s - max m)` over the slices' normalized outputs.
+/// One block of 128 threads per (row, head), thread `i` owning 4-float vectors `i, i + 128, ...` of the output
+/// ([`merge_slices`], which `mla::mla_output_kernel` also runs in place of this launch).
+#[cube(launch_unchecked, address_type = "dynamic")]
+pub fn mla_combine_kernel<N: Size>(
+    o_part: &Array<Vector<f32, N>>,
+    ml_part: &Array<f32>,
+    out: &mut Array<Vector<f32, N>>,
+    pairs: u32,
+    splits: u32,
+    #[comptime] r: usize,
+) {
+    let rh = CUBE_POS_X as usize;
+    let tid = UNIT_POS as usize;
+    let rv = comptime!(r / 4);
+    let mut acc = Array::<f32>::new(comptime!(4 * (r / 4).div_ceil(128)));
+    merge_slices::<N>(o_part, ml_part, &mut acc, pairs as usize, splits as usize, rh, tid, r);
+    #[unroll]
+    for it in 0..comptime!((r / 4).div_ceil(128)) {
+        let c4 = it * 128 + tid;
+        if c4 < rv {
+            let mut o = Vector::<f32, N>::empty();
+            #[unroll]
+            for e in 0..4usize {
+                o[e] = acc[4 * it + e];
+            }
+            out[rh * rv + c4] = o;
+        }
+    }
+}
+
+/// The merge of (row, head) `rh`'s slices by the block's first 128 threads (the others, if any, only take
+/// part in its barriers; every thread of the block must call it): into `acc` (`4 * ceil(r / 512)` floats),
+/// thread `tid`'s 4-float vectors `tid, tid + 128, ...` of `sum_s w_s o_s / sum_s w_s`, `w_s = l_s exp(m_s -
+/// max m)` over the slices' normalized outputs `o_part` `[splits, pairs, r]` and their `(m, l)` in `ml_part`.
+/// The maximum is a block reduction; then, 128 slices at a time, each thread computes one slice's weight into
+/// shared memory and every thread adds the slices' vectors 8 at a time (8 independent 16-byte loads in flight:
+/// one load after another, as a loop of dependent adds, made the merge ~42 us at 33 slices, one row of Kimi's
+/// 64 heads: more than the attention it merges). Slices in order, as the CPU reference adds them; a slice with
+/// `l = 0` (no positions) weighs 0 (its output is written as zeros by the attention kernel).
+#[cube]
+#[allow(clippy::manual_div_ceil, clippy::too_many_arguments)]
+pub fn merge_slices<N: Size>(
+    o_part: &Array<Vector<f32, N>>,
+    ml_part: &Array<f32>,
+    acc: &mut Array<f32>,
+    pairs: usize,
+    splits: usize,
+    rh: usize,
+    tid: usize,
+    #[comptime] r: usize,
+) {
+    let active = tid < 128;
+    let rv = comptime!(r / 4);
+    let nv = comptime!((r / 4).div_ceil(128));
+
+    let mut mx = f32::new(-1.0e30);
+    for i in 0..(splits + 127) / 128 {
+        let sp = i * 128 + tid;
+        if active && sp < splits && ml_part[(sp * pairs + rh) * 2 + 1] > f32::new(0.0) {
+            mx = f32::max(mx, ml_part[(sp * pairs + rh) * 2]);
+        }
+    }
+    mx = plane_max(mx);
+    let mut red = SharedMemory::<f32>::new(4usize);
+    if active && tid.is_multiple_of(32) {
+        red[tid / 32] = mx;
+    }
+    sync_cube();
+    mx = f32::max(f32::max(red[0], red[1]), f32::max(red[2], red[3]));
+
+    let mut wts = SharedMemory::<f32>::new(128usize);
+    #[unroll]
+    for a in 0..comptime!(4 * (r / 4).div_ceil(128)) {
+        acc[a] = f32::new(0.0);
+    }
+    let mut den = f32::new(0.0);
+    for chunk in 0..(splits + 127) / 128 {
+        let sp = chunk * 128 + tid;
+        let mut wgt = f32::new(0.0);
+        if active && sp < splits {
+            let l = ml_part[(sp * pairs + rh) * 2 + 1];
+            if l > f32::new(0.0) {
+                wgt = l * (ml_part[(sp * pairs + rh) * 2] - mx).exp();
+            }
+        }
+        // The previous chunk's readers are done with `wts`.
+        sync_cube();
+        if active {
+            wts[tid] = wgt;
+        }
+        sync_cube();
+        let mut here = splits - chunk * 128;
+        if here > 128 {
+            here = 128;
+        }
+        for j8 in 0..(here + 7) / 8 {
+            #[unroll]
+            for it in 0..nv {
+                let c4 = it * 128 + tid;
+                if active && c4 < rv {
+                    let mut v = Array::<Vector<f32, N>>::new(8usize);
+                    #[unroll]
+                    for u in 0..8usize {
+                        let j = j8 * 8 + u;
+                        if j < here {
+                            v[u] = o_part[((chunk * 128 + j) * pairs + rh) * rv + c4];
+                        }
+                    }
+                    #[unroll]
+                    for u in 0..8usize {
+                        let j = j8 * 8 + u;
+                        if j < here {
+                            let wj = wts[j];
+                            #[unroll]
+                            for e in 0..4usize {
+                                acc[4 * it + e] += wj * v[u][e];
+                            }
+                        }
+                    }
+                }
+            }
+            #[unroll]
+            for u in 0..8usize {
+                let j = j8 * 8 + u;
+                if j < here {
+                    den += wts[j];
+                }
+            }
+        }
+    }
+    let mut inv = f32::new(0.0);
+    if den > f32::new(0.0) {
+        inv = f32::new(1.0) / den;
+    }
+    #[unroll]
+    for a in 0..comptime!(4 * (r / 4).div_ceil(128)) {
+        acc[a] *= inv;
+    }
+}
+
+/// The combine launch of [`mla_attention`](super::attention::mla_attention): `out` `[pairs, r]` = the merge of
+/// `parts` (from [`mla_attention_parts`](super::attention::mla_attention_parts) over `pairs` = rows x heads, which
+/// checked `out`'s size); nothing when `parts` has one slice (the attention wrote `out` itself).
+pub fn merge_parts<R: Runtime>(
+    client: &ComputeClient<R>,
+    parts: &AttentionParts,
+    pairs: usize,
+    r: usize,
+    out: &Handle,
+) {
+    if parts.splits > 1 {
+        let o_len = parts.splits * pairs * r;
+        // SAFETY: `mla_attention_parts` reserved `o` as `[splits, pairs, r]` and `ml` as `[splits, pairs, 2]`;
+        // `out` holds `[pairs, r]` (checked there); block `rh < pairs` writes row `rh` of `out`.
+        unsafe {
+            mla_combine_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(pairs as u32, 1, 1),
+                CubeDim::new_1d(128),
+                AddressType::from_len(o_len),
+                4,
+                ArrayArg::from_raw_parts(parts.o.clone(), o_len / 4),
+                ArrayArg::from_raw_parts(parts.ml.clone(), parts.splits * pairs * 2),
+                ArrayArg::from_raw_parts(out.clone(), pairs * r / 4),
+                pairs as u32,
+                parts.splits as u32,
+                r,
+            );
+        }
+    }
+}
+
+/// What [`mla_attention_parts`](super::attention::mla_attention_parts) leaves: with one slice (`splits` 1) the
+/// attention itself in `o` (the caller's `out`), else each slice's normalized output `o` `[splits, rows x heads, r]`
+/// and its `(max, sum)` `ml` `[splits, rows x heads, 2]`, to be merged ([`mla_combine_kernel`], or
+/// `mla::mla_output_kernel` with `merge`).
+#[derive(Debug, Clone)]
+pub struct AttentionParts {
+    /// The output (one slice) or the slices' outputs.
+    pub o: Handle,
+    /// The slices' running maxima and sums.
+    pub ml: Handle,
+    /// Slices of each row.
+    pub splits: usize,
+}
