@@ -4,7 +4,16 @@
 //!
 //! ```text
 //! gpu_gemv [--json FILE]
+//! gpu_gemv --sweep [--n 1] [--json FILE]
+//! gpu_gemv --normed [--json FILE]     # only the normed GEMV
 //! ```
+//!
+//! `--sweep`: the launch shapes of the GEMVs a decode step runs at `n` tokens (the `q_a_proj` + `kv_a_proj_with_mqa`
+//! pair, the normed `q_b_proj`, `o_proj`, the shared expert's gate/up + router pair, the shared down), each single
+//! GEMV over every `GemvConfig` of 8 warps (rows a warp 1/2/4, k-split 1/2/4/8, stretches in flight 1-8), then each
+//! pair over the best 4 x 4 of its two jobs; GPU time per call behind a copy (`BehindCopy`: no host gaps), each
+//! result checked against the f64 reference first. Prints every shape's time, the model's current choice and the
+//! best.
 //!
 //! Check: random never-zero BF16 weights and f32 activations, the kernel's `[n, rows]` against the f64 CPU
 //! reference ([`gemv_reference`]) on up to 256 rows of each matrix, norm-wise `max |gpu - ref| / max |ref|` <=
@@ -29,12 +38,12 @@ use anyhow::{Result, bail};
 use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
-use eyrie_quant::cuda::copy_bandwidth;
 use eyrie_quant::cuda::dense::{
     GemvConfig, GemvJob, gemv_bf16, gemv_norm, gemv_pair, gemv_reference, gemv_swiglu, swiglu_reference,
 };
 use eyrie_quant::cuda::dense_mma::{MmaGemvConfig, gemv_mma};
 use eyrie_quant::cuda::norm::{RMS_NORM_WARPS, rms_norm_kernel};
+use eyrie_quant::cuda::{BehindCopy, copy_bandwidth};
 
 type R = CudaRuntime;
 
@@ -126,6 +135,32 @@ fn main() -> Result<()> {
     // Copy bandwidth of the same run (read + write bytes of 1 GiB).
     let copy_bw = copy_bandwidth(&client).map_err(anyhow::Error::msg)?;
     println!("copy bandwidth: {:.0} GB/s", copy_bw / 1e9);
+    if args.iter().any(|a| a == "--normed") {
+        let mut rows_json = Vec::new();
+        let failed = normed(&client, &mut rng, copy_bw, &mut rows_json)?;
+        if let Some(path) = json {
+            let doc = serde_json::json!({"kernel": "eyrie_quant::cuda::dense normed GEMVs", "rows": rows_json});
+            std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        }
+        if failed {
+            bail!("a normed GEMV differs from the norm launch + GEMV");
+        }
+        return Ok(());
+    }
+    if args.iter().any(|a| a == "--sweep") {
+        let n = args.iter().position(|a| a == "--n").and_then(|i| args.get(i + 1)).map_or(Ok(1), |v| v.parse())?;
+        let mut rows_json = Vec::new();
+        let failed = sweep(&client, &mut rng, copy_bw, n, &mut rows_json)?;
+        if let Some(path) = json {
+            let doc = serde_json::json!({"sweep": "eyrie_quant::cuda::dense GEMV launch shapes", "n": n,
+                "tolerance": TOL, "copy_bandwidth_gb_s": copy_bw / 1e9, "rows": rows_json});
+            std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n")?;
+        }
+        if failed {
+            bail!("a swept GEMV shape differs from the CPU reference beyond tolerance");
+        }
+        return Ok(());
+    }
     println!(
         "| matrix | rows x k | n | kernel | check (norm-wise) | us/call | GB/s | % of copy BW |\n|---|---|---|---|---|---|---|---|"
     );
@@ -425,6 +460,194 @@ fn normed(
         rows_json.push(serde_json::json!({"normed": "q_a_layernorm + q_b_proj", "n": n, "identical": same,
             "error": err, "ok": ok, "two_launches_us": t_two * 1e6, "one_launch_us": t_one * 1e6,
             "pct_copy_bw": 100.0 * moved / t_one / copy_bw}));
+    }
+    Ok(failed)
+}
+
+/// One GEMV of the sweep: `(name, rows, k, kind)`.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Plain,
+    Swiglu,
+    Normed,
+}
+
+/// Every launch shape of 8 warps the GEMV kernels take for `k` (`sets` matrices a warp loads: 2 for SwiGLU): rows a
+/// warp 1, 2, 4; k-split 1-8 while each warp keeps a stretch of 512 bytes; stretches in flight 1-8, at most 16 loads
+/// in flight a lane.
+fn candidates(n: usize, k: usize, sets: usize) -> Vec<GemvConfig> {
+    let tb = GemvConfig::for_tokens(n).tb;
+    let stretches = (k / 8).div_ceil(32);
+    let mut out = Vec::new();
+    for rows_at_once in [1, 2, 4] {
+        for ksplit in [1, 2, 4, 8] {
+            for unroll in [1, 2, 4, 8] {
+                if ksplit > stretches || unroll > stretches.div_ceil(ksplit) || rows_at_once * unroll * sets > 16 {
+                    continue;
+                }
+                out.push(GemvConfig { warps: 8, rows_at_once, tb, ksplit, unroll });
+            }
+        }
+    }
+    out
+}
+
+/// The model's shape for one job: `for_swiglu` for SwiGLU, else `for_shape` (264 blocks = 2 x 132 SMs).
+fn current(n: usize, rows: usize, k: usize, kind: Kind) -> GemvConfig {
+    if kind == Kind::Swiglu { GemvConfig::for_swiglu(n, rows, k, 264) } else { GemvConfig::for_shape(n, rows, k, 264) }
+}
+
+fn shape_label(c: &GemvConfig) -> String {
+    format!("rows {} ksplit {} unroll {}", c.rows_at_once, c.ksplit, c.unroll)
+}
+
+/// `--sweep` (module docs). Returns whether any check failed.
+fn sweep(
+    client: &ComputeClient<R>,
+    rng: &mut SplitMix64,
+    copy_bw: f64,
+    n: usize,
+    rows_json: &mut Vec<serde_json::Value>,
+) -> Result<bool> {
+    const JOBS: [(&str, usize, usize, Kind); 7] = [
+        ("q_a_proj", 1536, 7168, Kind::Plain),
+        ("kv_a_proj_with_mqa", 576, 7168, Kind::Plain),
+        ("q_b_proj (normed)", 12288, 1536, Kind::Normed),
+        ("o_proj", 7168, 8192, Kind::Plain),
+        ("shared gate/up", 2048, 7168, Kind::Swiglu),
+        ("router", 384, 7168, Kind::Plain),
+        ("shared down", 7168, 2048, Kind::Plain),
+    ];
+    let behind = BehindCopy::new(client).map_err(anyhow::Error::msg)?;
+    let mut failed = false;
+    let mut best: Vec<Vec<(f64, GemvConfig)>> = Vec::new();
+    let mut uploads = Vec::new();
+    println!("\n| GEMV | rows x k | n | shape | blocks | GPU us | % of copy BW | |\n|---|---|---|---|---|---|---|---|");
+    for (name, rows, k, kind) in JOBS {
+        let sets = if kind == Kind::Swiglu { 2 } else { 1 };
+        let mats: Vec<Vec<u16>> = (0..sets).map(|_| weights(rng, rows, k)).collect();
+        let bytes = sets * rows * k * 2;
+        let copies = (256 << 20).div_ceil(bytes).max(2);
+        let w_dev: Vec<Vec<_>> =
+            (0..copies).map(|_| mats.iter().map(|w| client.create_from_slice(u16::as_bytes(w))).collect()).collect();
+        let x: Vec<f32> = rng.activations(n * k).iter().map(|v| v.to_f32() * 3.0).collect();
+        let x_dev = client.create_from_slice(f32::as_bytes(&x));
+        let g: Vec<f32> = (0..k).map(|_| 0.5 + rng.next_f32()).collect();
+        let g_dev = client.create_from_slice(f32::as_bytes(&g));
+        let eps = 1e-6f32;
+        let checked: Vec<usize> = (0..rows).step_by(rows.div_ceil(256)).collect();
+        let pick =
+            |w: &[u16]| -> Vec<u16> { checked.iter().flat_map(|&r| w[r * k..(r + 1) * k].iter().copied()).collect() };
+        let want = match kind {
+            Kind::Plain => gemv_reference(&x, &pick(&mats[0]), n, checked.len(), k),
+            Kind::Swiglu => swiglu_reference(&x, &pick(&mats[0]), &pick(&mats[1]), n, checked.len(), k),
+            Kind::Normed => {
+                let mut xn = vec![0.0f32; n * k];
+                for t in 0..n {
+                    let row = &x[t * k..(t + 1) * k];
+                    let ms = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / k as f64;
+                    let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+                    for c in 0..k {
+                        xn[t * k + c] = (f64::from(row[c]) * inv * f64::from(g[c])) as f32;
+                    }
+                }
+                gemv_reference(&xn, &pick(&mats[0]), n, checked.len(), k)
+            }
+        };
+        let out = client.empty(n * rows * 4);
+        let call = |i: usize, cfg: GemvConfig| -> Result<()> {
+            let w = &w_dev[i % copies];
+            match kind {
+                Kind::Plain => gemv_bf16(client, &x_dev, &w[0], &out, n, rows, k, cfg),
+                Kind::Swiglu => gemv_swiglu(client, &x_dev, &w[0], &w[1], &out, n, rows, k, cfg),
+                Kind::Normed => gemv_norm(client, &x_dev, &g_dev, &w[0], &out, (n, rows, k), eps, cfg),
+            }
+            .map_err(anyhow::Error::msg)
+        };
+        let now = current(n, rows, k, kind);
+        let mut timed = Vec::new();
+        for cfg in candidates(n, k, sets) {
+            call(0, cfg)?;
+            let (err, ok) = check(client, &out, &want, n, rows, &checked)?;
+            failed |= !ok;
+            let us = behind
+                .time_us(client, 2, 16, |i| {
+                    let _ = call(i, cfg);
+                })
+                .map_err(anyhow::Error::msg)?;
+            let moved = (bytes + n * k * 4 + n * rows * 4) as f64;
+            let pct = 100.0 * moved / (us * 1e-6) / copy_bw;
+            let blocks = rows.div_ceil(cfg.warps / cfg.ksplit * cfg.rows_at_once);
+            let mark = if cfg == now { "model's" } else { "" };
+            println!(
+                "| {name} | {rows} x {k} | {n} | {} | {blocks} | {us:.1} | {pct:.0} | {mark}{} |",
+                shape_label(&cfg),
+                if ok { "" } else { " FAIL" }
+            );
+            rows_json.push(serde_json::json!({"gemv": name, "rows": rows, "k": k, "n": n, "rows_at_once":
+                cfg.rows_at_once, "ksplit": cfg.ksplit, "unroll": cfg.unroll, "blocks": blocks, "gpu_us": us,
+                "pct_copy_bw": pct, "error": err, "ok": ok, "model": cfg == now}));
+            timed.push((us, cfg));
+        }
+        timed.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let cur = timed.iter().find(|(_, c)| *c == now).map_or(f64::NAN, |t| t.0);
+        println!(
+            "| **{name}** | | {n} | best {} | | **{:.1}** | | model's {} {cur:.1} |",
+            shape_label(&timed[0].1),
+            timed[0].0,
+            shape_label(&now)
+        );
+        best.push(timed.clone());
+        uploads.push((w_dev, x_dev, copies));
+    }
+
+    // Pairs: q_a + kv_a (jobs 0, 1), shared gate/up + router (4, 5), each job's best 4 (and the model's).
+    println!("\n| pair | n | job a shape | job b shape | blocks | GPU us | |\n|---|---|---|---|---|---|---|");
+    for (ia, ib) in [(0usize, 1usize), (4, 5)] {
+        let (na, ra, k, kind_a) = JOBS[ia];
+        let (nb, rb, _, kind_b) = JOBS[ib];
+        let top = |i: usize, rows: usize, kind: Kind| {
+            let mut v: Vec<GemvConfig> = best[i].iter().take(4).map(|t| t.1).collect();
+            let now = current(n, rows, k, kind);
+            if !v.contains(&now) {
+                v.push(now);
+            }
+            v
+        };
+        let (wa, xa, ca) = &uploads[ia];
+        let (wb, _, cb) = &uploads[ib];
+        let (oa, ob) = (client.empty(n * ra * 4), client.empty(n * rb * 4));
+        let now = (current(n, ra, k, kind_a), current(n, rb, k, kind_b));
+        let mut timed = Vec::new();
+        for a in top(ia, ra, kind_a) {
+            for b in top(ib, rb, kind_b) {
+                let us = behind
+                    .time_us(client, 2, 16, |i| {
+                        let ja = pair_job((na, ra, kind_a == Kind::Swiglu), &wa[i % ca], &oa, a);
+                        let jb = pair_job((nb, rb, kind_b == Kind::Swiglu), &wb[i % cb], &ob, b);
+                        let _ = gemv_pair(client, xa, n, k, ja, jb);
+                    })
+                    .map_err(anyhow::Error::msg)?;
+                let blocks = ra.div_ceil(8 / a.ksplit * a.rows_at_once) + rb.div_ceil(8 / b.ksplit * b.rows_at_once);
+                let mark = if (a, b) == now { "model's" } else { "" };
+                println!(
+                    "| {na} + {nb} | {n} | {} | {} | {blocks} | {us:.1} | {mark} |",
+                    shape_label(&a),
+                    shape_label(&b)
+                );
+                rows_json.push(serde_json::json!({"pair": [na, nb], "n": n, "a": shape_label(&a), "b":
+                    shape_label(&b), "blocks": blocks, "gpu_us": us, "model": (a, b) == now}));
+                timed.push((us, a, b));
+            }
+        }
+        timed.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let cur = timed.iter().find(|t| (t.1, t.2) == now).map_or(f64::NAN, |t| t.0);
+        println!(
+            "| **{na} + {nb}** | {n} | best {} | {} | | **{:.1}** | model's {cur:.1} |",
+            shape_label(&timed[0].1),
+            shape_label(&timed[0].2),
+            timed[0].0
+        );
     }
     Ok(failed)
 }

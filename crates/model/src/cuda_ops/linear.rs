@@ -136,10 +136,9 @@ pub(crate) fn gemv_swiglu_pair<B: Backend>(
     back::<B, 2>(Cube::new_contiguous(client, xc.device.clone(), Shape::new([n, rows]), out, DType::F32))
 }
 
-/// Most rows [`gemv_normed`] takes: each block takes its rows' norms one after another, so at 4 rows `q_b_proj`'s
-/// normed launch took 31.6 us against 25.5 for the norm launch and the GEMV (H200, `gpu_gemv`; 1 row 19.0 against
-/// 23.4, 2 rows 19.4 against 21.1: bench/REPORT.md, session 19).
-const GEMV_NORMED_MAX_TOKENS: usize = 2;
+/// Most rows [`gemv_normed`] takes (eyrie-quant's `NORMED_GEMV_MAX_TOKENS`: each block takes its rows' norms one
+/// after another, so at 4 rows the normed launch is slower than the norm launch and the GEMV).
+const GEMV_NORMED_MAX_TOKENS: usize = eyrie_quant::cuda::dense::NORMED_GEMV_MAX_TOKENS;
 
 /// `RMSNorm(x) W^T` (the norm's weight `g` `[k]` f32 and `eps`; `W` `[rows, k]` BF16) in one launch of eyrie-quant's
 /// `gemv_norm` (the same values as the norm launch then [`gemv`]), at up to [`GEMV_NORMED_MAX_TOKENS`] rows; else
@@ -177,15 +176,16 @@ pub(crate) struct PairJob<'a, B: Backend> {
 }
 
 /// Two GEMVs of one input `x` `[n, k]` f32 in one launch of eyrie-quant's `gemv_pair` (each job's result equals its
-/// own launch's, bit for bit): at the CUDA-core GEMV's widths (up to [`gemv_max_tokens`] rows) with BF16 weights,
-/// else `None` (the caller runs the two as it did).
+/// own launch's, bit for bit): at the CUDA-core GEMV's widths (up to [`gemv_max_tokens`] rows; up to 8 where both
+/// jobs have measured shapes, `GemvConfig::tuned`) with BF16 weights, else `None` (the caller runs the two as it
+/// did).
 pub(crate) fn gemv_pair_jobs<B: Backend>(
     x: &Tensor<B, 2>,
     a: PairJob<'_, B>,
     b: PairJob<'_, B>,
 ) -> Option<(Tensor<B, 2>, Tensor<B, 2>)> {
     let [n, k] = x.dims();
-    if !is_cuda::<B>() || n == 0 || n > gemv_max_tokens() || !k.is_multiple_of(8) || x.dtype() != DType::F32 {
+    if !is_cuda::<B>() || n == 0 || !k.is_multiple_of(8) || x.dtype() != DType::F32 {
         return None;
     }
     let fits = |j: &PairJob<'_, B>| {
@@ -194,6 +194,13 @@ pub(crate) fn gemv_pair_jobs<B: Backend>(
         (kw == k && j.w.dtype() == DType::BF16 && up_fits).then_some(rows)
     };
     let (rows_a, rows_b) = (fits(&a)?, fits(&b)?);
+    // At the CUDA-core GEMV's widths; wider (5-8 rows) only where both jobs have measured shapes there
+    // (`GemvConfig::tuned`: the pair on the CUDA cores against the two tensor-core launches, bench/REPORT.md
+    // session 20).
+    let tuned = |rows: usize, j: &PairJob<'_, B>| GemvConfig::tuned(n, rows, k, j.up.is_some()).is_some();
+    if n > gemv_max_tokens() && !(tuned(rows_a, &a) && tuned(rows_b, &b)) {
+        return None;
+    }
     let xc = float(x.clone())?;
     let client = xc.client.clone();
     let sms = sms_of(&client);

@@ -11,6 +11,11 @@
 //!
 //! The CPU reference is [`gemv_reference`] (f64 accumulation), always built and tested in CI.
 
+/// Most token rows the model norms inside a GEMV launch (`gemv_norm`): each block norms its rows one after another,
+/// so at 4 rows `q_b_proj`'s normed launch took 31.3 us against 26.2 for the norm launch and the GEMV (H200,
+/// `gpu_gemv --normed`; 1 row 17.6 against 27.3, 2 rows 20.2 against 25.2: bench/REPORT.md, session 20).
+pub const NORMED_GEMV_MAX_TOKENS: usize = 2;
+
 /// `x` `[n, k]` times `W^T` for `W` `[rows, k]` BF16 (as `u16` bits, row-major): `[n, rows]`, f64 accumulation.
 pub fn gemv_reference(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize) -> Vec<f32> {
     assert_eq!(x.len(), n * k, "x is [n, k]");
@@ -53,7 +58,7 @@ fn gemv_reference_f64(x: &[f32], w_bits: &[u16], n: usize, rows: usize, k: usize
 #[cfg(feature = "cuda")]
 pub use gpu::{
     GemvConfig, GemvJob, bf16x8_dot, gemv_bf16, gemv_bf16_kernel, gemv_norm, gemv_norm_kernel, gemv_pair,
-    gemv_pair_kernel, gemv_swiglu, gemv_swiglu_kernel,
+    gemv_pair_kernel, gemv_swiglu, gemv_swiglu_kernel, tuned_shapes,
 };
 
 #[cfg(feature = "cuda")]
@@ -61,6 +66,8 @@ mod gpu {
     use burn::cubecl;
     use cubecl::prelude::*;
     use cubecl::server::Handle;
+
+    use crate::cuda::norm::{norm_row, normed4};
 
     /// Launch shape of [`gemv_bf16`] (kernel specialisations).
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -100,6 +107,9 @@ mod gpu {
         /// loads in flight. Matrices that fill the device at 4 rows a warp (`o_proj`, `lm_head`: 90-110% of
         /// the copy bandwidth already) and 8-16 tokens keep [`Self::for_tokens`].
         pub fn for_shape(n: usize, rows: usize, k: usize, blocks: usize) -> Self {
+            if let Some(c) = Self::tuned(n, rows, k, false) {
+                return c;
+            }
             let mut c = Self::for_tokens(n);
             if n > 4 {
                 return c;
@@ -123,13 +133,73 @@ mod gpu {
             c
         }
 
+        /// The shapes measured best on the H200 for Kimi-K2's decode GEMVs (`gpu_gemv --sweep`, every shape of 8
+        /// warps timed on the GPU behind a copy, bench/REPORT.md session 20; within a pair the pair's best):
+        /// `(rows, k, SwiGLU)` -> (rows a warp, k-split, stretches in flight), at one token and at 5-8 tokens (one
+        /// pass of 8; only the pairs' matrices: wider single GEMVs take the tensor-core GEMV). Other shapes (a
+        /// tensor-parallel rank's rows, other models, other widths) take the rules of [`Self::for_shape`].
+        pub fn tuned(n: usize, rows: usize, k: usize, swiglu: bool) -> Option<Self> {
+            type Entry = ((usize, usize, bool), (usize, usize, usize));
+            const ONE_TOKEN: [Entry; 7] = [
+                // `q_a_proj` and `kv_a_proj_with_mqa` (their pair: 19.6 -> 13.8 us).
+                ((1536, 7168, false), (1, 4, 1)),
+                ((576, 7168, false), (1, 8, 2)),
+                // `q_b_proj` (normed: 16.8 -> 14.8 us).
+                ((12288, 1536, false), (2, 1, 1)),
+                // `o_proj` (36.3 -> 32.4 us).
+                ((7168, 8192, false), (2, 8, 1)),
+                // The shared expert's gate/up and the router (their pair: 23.0 -> 22.1 us), its down (13.1 -> 12.3).
+                ((2048, 7168, true), (1, 2, 1)),
+                ((384, 7168, false), (2, 8, 4)),
+                ((7168, 2048, false), (2, 1, 2)),
+            ];
+            const EIGHT_TOKENS: [Entry; 4] = [
+                // The pairs at 8 tokens: 71.6 -> 31.7 us and 71.4 -> 53.6 us against the rules' shapes.
+                ((1536, 7168, false), (2, 4, 1)),
+                ((576, 7168, false), (4, 8, 2)),
+                ((2048, 7168, true), (2, 1, 1)),
+                ((384, 7168, false), (4, 8, 4)),
+            ];
+            let (table, tb): (&[Entry], usize) = match n {
+                1 => (&ONE_TOKEN, 1),
+                5..=8 => (&EIGHT_TOKENS, 8),
+                _ => return None,
+            };
+            if !tuned_shapes() {
+                return None;
+            }
+            let &(_, (rows_at_once, ksplit, unroll)) = table.iter().find(|(key, _)| *key == (rows, k, swiglu))?;
+            Some(Self { warps: 8, rows_at_once, tb, ksplit, unroll })
+        }
+
         /// [`Self::for_shape`] for [`gemv_swiglu`], which loads two matrices' rows: half the stretches at once.
         pub fn for_swiglu(n: usize, rows: usize, k: usize, blocks: usize) -> Self {
+            if let Some(c) = Self::tuned(n, rows, k, true) {
+                return c;
+            }
             let mut c = Self::for_shape(n, rows, k, blocks);
             c.unroll = c.unroll.div_ceil(2);
             c
         }
     }
+
+    /// Whether [`GemvConfig::tuned`] gives its measured shapes: on unless `EYRIE_GEMV_TUNED=0` (read once), for
+    /// same-binary comparisons with the rules of [`GemvConfig::for_shape`] alone.
+    pub fn tuned_shapes() -> bool {
+        use std::sync::atomic::Ordering;
+        match TUNED.load(Ordering::Relaxed) {
+            0 => false,
+            1 => true,
+            _ => {
+                let on = std::env::var("EYRIE_GEMV_TUNED").map_or(true, |v| v != "0");
+                TUNED.store(u8::from(on), Ordering::Relaxed);
+                on
+            }
+        }
+    }
+
+    /// [`tuned_shapes`]: 0 off, 1 on, 2 not read from the environment yet.
+    static TUNED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
 
     /// `sum_e W[e] x[e]` over 8 BF16 weights (the 4 words `a`, low half first) and 8 activations (`x0`, `x1`): one
     /// 16-byte weight vector of the GEMV kernels, f32 products summed in order. Every BF16 is an f32 with its low 16
@@ -187,13 +257,13 @@ mod gpu {
     /// the pass's `tb` tokens from `t0` (tokens past `n` re-read the last; their sums are never written): `sets` 1
     /// (the plain GEMV: `wv[j * rows_at_once + q]` into `acc[q * tb + t]`) or 2 (gate and up: the up loads
     /// `rows_at_once * unroll` further, into `acc[(rows_at_once + q) * tb + t]`). Each accumulator gets its products
-    /// in stretch order either way.
+    /// in stretch order either way. With `staged` the activations are the pass's rows in shared memory `xs`
+    /// (`[tb][k / 4]`, already normed: [`stage_normed`]) instead of `x`.
     #[cube]
     #[allow(clippy::too_many_arguments)]
     fn stretch_products<N: Size>(
         x: &Array<Vector<f32, N>>,
-        g: &Array<Vector<f32, N>>,
-        inv: &Array<f32>,
+        xs: &SharedMemory<Vector<f32, N>>,
         wv: &Array<Vector<u32, N>>,
         acc: &mut Array<f32>,
         v: usize,
@@ -205,7 +275,7 @@ mod gpu {
         #[comptime] tb: usize,
         #[comptime] unroll: usize,
         #[comptime] sets: usize,
-        #[comptime] norm: bool,
+        #[comptime] staged: bool,
     ) {
         #[unroll]
         for t in 0..tb {
@@ -215,14 +285,9 @@ mod gpu {
             }
             let mut x0 = x[tok * k4 + 2 * v];
             let mut x1 = x[tok * k4 + 2 * v + 1];
-            if comptime!(norm) {
-                // The RMSNorm of the row, as `norm::rms_norm_kernel` writes it: `(a * inv) * g`.
-                let (g0, g1, s) = (g[2 * v], g[2 * v + 1], inv[t]);
-                #[unroll]
-                for e in 0..4usize {
-                    x0[e] = x0[e] * s * g0[e];
-                    x1[e] = x1[e] * s * g1[e];
-                }
+            if comptime!(staged) {
+                x0 = xs[t * k4 + 2 * v];
+                x1 = xs[t * k4 + 2 * v + 1];
             }
             #[unroll]
             for q in 0..rows_at_once {
@@ -233,6 +298,55 @@ mod gpu {
                 }
             }
         }
+    }
+
+    /// The RMSNorm (weight `g`, `eps`) of the pass's `tb` token rows of `x` into shared memory `xs` `[tb][k / 4]`
+    /// through `norm::norm_row` (`rms_norm_kernel`'s own sums and products: the same bits), for the GEMV to read
+    /// instead of `x` (`staged`). Every thread of the block (8 warps) must call it; the rows are in place when it
+    /// returns.
+    #[cube]
+    #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
+    fn stage_normed<N: Size>(
+        x: &Array<Vector<f32, N>>,
+        g: &Array<Vector<f32, N>>,
+        xs: &mut SharedMemory<Vector<f32, N>>,
+        n: usize,
+        eps: f32,
+        #[comptime] k: usize,
+        #[comptime] tb: usize,
+        #[comptime] warps: usize,
+    ) {
+        let tid = UNIT_POS as usize;
+        let kv4 = comptime!(k / 4);
+        let threads = comptime!(32 * warps);
+        let iters = comptime!((k / 4).div_ceil(32 * warps));
+        let mut vals = Array::<Vector<f32, N>>::new(iters);
+        let mut unused = Array::<Vector<f32, N>>::new(1usize);
+        #[unroll]
+        for t in 0..tb {
+            let mut tok = CUBE_POS_Y as usize * tb + t;
+            if tok >= n {
+                tok = n - 1;
+            }
+            // The row's sums, then (the row parked in `xs`, its registers free) the weight and the normed row: the
+            // prologue holds one row's vectors at a time, not the row's and the weight's.
+            let inv = norm_row::<N>(x, x, g, &mut vals, &mut unused, tok, eps, k, warps, false, false);
+            #[unroll]
+            for i in 0..iters {
+                let v = tid + i * threads;
+                if v < kv4 {
+                    xs[t * kv4 + v] = vals[i];
+                }
+            }
+            #[unroll]
+            for i in 0..iters {
+                let v = tid + i * threads;
+                if v < kv4 {
+                    xs[t * kv4 + v] = normed4::<N>(xs[t * kv4 + v], inv, g[v]);
+                }
+            }
+        }
+        sync_cube();
     }
 
     /// Adds the `ksplit` warps' partial sums of each of a block's row groups (warp `w` = group `w / ksplit`, part
@@ -268,6 +382,36 @@ mod gpu {
         }
     }
 
+    /// The first `unroll` stretches of block `block`'s rows into `wv`, as [`gemv_block`] loads them first (with
+    /// its `preloaded`, it starts from them): a normed launch issues them before its norm prologue, so the weights'
+    /// latency overlaps the norm's instead of following it.
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn first_loads<N: Size>(
+        wg: &Array<Vector<u32, N>>,
+        wu: &Array<Vector<u32, N>>,
+        wv: &mut Array<Vector<u32, N>>,
+        rows: usize,
+        block: usize,
+        #[comptime] k: usize,
+        #[comptime] rows_at_once: usize,
+        #[comptime] warps: usize,
+        #[comptime] ksplit: usize,
+        #[comptime] unroll: usize,
+        #[comptime] sets: usize,
+    ) {
+        let lane = UNIT_POS_X as usize;
+        let warp = UNIT_POS_Y as usize;
+        let kv = comptime!(k / 8);
+        let ks = warp % ksplit;
+        let row0 = (block * comptime!(warps / ksplit) + warp / ksplit) * rows_at_once;
+        let half = comptime!(rows_at_once * unroll);
+        load_stretches::<N>(wg, wv, 0usize, row0, rows, 0usize, ks, lane, kv, rows_at_once, ksplit, unroll);
+        if comptime!(sets == 2) {
+            load_stretches::<N>(wu, wv, half, row0, rows, 0usize, ks, lane, kv, rows_at_once, ksplit, unroll);
+        }
+    }
+
     /// Block `block` of a GEMV launch (module docs of `eyrie_quant::cuda::dense`): one warp per `rows_at_once`
     /// rows (and one `ksplit`-th of their `k`), `tb` tokens per pass (the grid's `y`). `sets` 1: `out = x W^T` for
     /// `W` = `wg` (`wu` unused); `sets` 2: `out = silu(x Wg^T) * (x Wu^T)` (an MLP's gate and up, each warp owning
@@ -277,10 +421,10 @@ mod gpu {
     #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
     fn gemv_block<N: Size>(
         x: &Array<Vector<f32, N>>,
-        g: &Array<Vector<f32, N>>,
-        inv: &Array<f32>,
+        xs: &SharedMemory<Vector<f32, N>>,
         wg: &Array<Vector<u32, N>>,
         wu: &Array<Vector<u32, N>>,
+        wv: &mut Array<Vector<u32, N>>,
         out: &mut Array<f32>,
         n: usize,
         rows: usize,
@@ -292,7 +436,8 @@ mod gpu {
         #[comptime] ksplit: usize,
         #[comptime] unroll: usize,
         #[comptime] sets: usize,
-        #[comptime] norm: bool,
+        #[comptime] staged: bool,
+        #[comptime] preloaded: bool,
     ) {
         let lane = UNIT_POS_X as usize;
         let warp = UNIT_POS_Y as usize;
@@ -310,34 +455,20 @@ mod gpu {
         for a in 0..comptime!(sets * rows_at_once * tb) {
             acc[a] = f32::new(0.0);
         }
-        let mut wv = Array::<Vector<u32, N>>::new(comptime!(sets * rows_at_once * unroll));
         for ib in 0..comptime!(kv.div_ceil(32 * ksplit).div_ceil(unroll)) {
             let i0 = ib * unroll;
-            load_stretches::<N>(wg, &mut wv, 0usize, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
-            if comptime!(sets == 2) {
-                load_stretches::<N>(wu, &mut wv, half, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
+            // (With `preloaded` the first stretches are in `wv` already: `first_loads`.)
+            if ib > 0 || !preloaded {
+                load_stretches::<N>(wg, wv, 0usize, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
+                if comptime!(sets == 2) {
+                    load_stretches::<N>(wu, wv, half, row0, rows, i0, ks, lane, kv, rows_at_once, ksplit, unroll);
+                }
             }
             #[unroll]
             for j in 0..unroll {
                 let v = ((i0 + j) * ksplit + ks) * 32 + lane;
                 if v < kv {
-                    stretch_products::<N>(
-                        x,
-                        g,
-                        inv,
-                        &wv,
-                        &mut acc,
-                        v,
-                        j,
-                        t0,
-                        n,
-                        k4,
-                        rows_at_once,
-                        tb,
-                        unroll,
-                        sets,
-                        norm,
-                    );
+                    stretch_products::<N>(x, xs, wv, &mut acc, v, j, t0, n, k4, rows_at_once, tb, unroll, sets, staged);
                 }
             }
         }
@@ -384,13 +515,15 @@ mod gpu {
     ) {
         // (`tokens`, not `n`: the launcher the macro writes has a `_n` of its own, for `N`.)
         let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
-        let none = Array::<f32>::new(1usize);
+        let none = SharedMemory::<Vector<f32, N>>::new(1usize);
+        let mut wv = Array::<Vector<u32, N>>::new(comptime!(rows_at_once * unroll));
+        let f = false;
         gemv_block::<N>(
-            x,
             x,
             &none,
             w,
             w,
+            &mut wv,
             out,
             n,
             rows,
@@ -402,7 +535,8 @@ mod gpu {
             ksplit,
             unroll,
             1usize,
-            false,
+            f,
+            f,
         );
     }
 
@@ -426,13 +560,14 @@ mod gpu {
         #[comptime] unroll: usize,
     ) {
         let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
-        let none = Array::<f32>::new(1usize);
+        let none = SharedMemory::<Vector<f32, N>>::new(1usize);
+        let mut wv = Array::<Vector<u32, N>>::new(comptime!(2 * rows_at_once * unroll));
         gemv_block::<N>(
-            x,
             x,
             &none,
             wg,
             wu,
+            &mut wv,
             out,
             n,
             rows,
@@ -444,6 +579,7 @@ mod gpu {
             ksplit,
             unroll,
             2usize,
+            false,
             false,
         );
     }
@@ -480,16 +616,18 @@ mod gpu {
         #[comptime] sets_b: usize,
     ) {
         let n = tokens as usize;
-        let none = Array::<f32>::new(1usize);
+        let none = SharedMemory::<Vector<f32, N>>::new(1usize);
+        let f = false;
         if CUBE_POS_X < blocks_a {
             let block = CUBE_POS_X as usize;
             let rows = rows_a as usize;
+            let mut wv = Array::<Vector<u32, N>>::new(comptime!(sets_a * rows_at_once_a * unroll_a));
             gemv_block::<N>(
-                x,
                 x,
                 &none,
                 wa,
                 wa_up,
+                &mut wv,
                 out_a,
                 n,
                 rows,
@@ -501,17 +639,19 @@ mod gpu {
                 ksplit_a,
                 unroll_a,
                 sets_a,
-                false,
+                f,
+                f,
             );
         } else {
             let block = (CUBE_POS_X - blocks_a) as usize;
             let rows = rows_b as usize;
+            let mut wv = Array::<Vector<u32, N>>::new(comptime!(sets_b * rows_at_once_b * unroll_b));
             gemv_block::<N>(
-                x,
                 x,
                 &none,
                 wb,
                 wb_up,
+                &mut wv,
                 out_b,
                 n,
                 rows,
@@ -523,16 +663,16 @@ mod gpu {
                 ksplit_b,
                 unroll_b,
                 sets_b,
-                false,
+                f,
+                f,
             );
         }
     }
 
     /// [`gemv_bf16_kernel`] of the RMSNorm of `x`: `out = (x_t / rms(x_t) * g) W^T` for each token row `x_t` (`g`
-    /// the norm's weight `[k]`, `eps` its epsilon): each block first takes the inverse RMS of its pass's token rows
-    /// with `norm::rms_norm_kernel`'s own sums (8 warps, the same thread order: the same bits), then scales each
-    /// activation vector as it is used. Replaces a norm launch before a GEMV (a layer's `q_a_layernorm` before
-    /// `q_b_proj`). `warps` must be 8 for the norm's bits (the launcher checks).
+    /// the norm's weight `[k]`, `eps` its epsilon): each block first norms its pass's token rows into shared memory
+    /// ([`stage_normed`]: `rms_norm_kernel`'s own sums and products, the same bits), then reads them there. Replaces a norm launch before a GEMV (a layer's `q_a_layernorm` before `q_b_proj`). `warps`
+    /// must be 8 for the norm's bits (the launcher checks).
     #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments, clippy::manual_div_ceil)]
     pub fn gemv_norm_kernel<N: Size>(
@@ -551,57 +691,17 @@ mod gpu {
         #[comptime] unroll: usize,
     ) {
         let (n, rows, block) = (tokens as usize, rows as usize, CUBE_POS_X as usize);
-        let tid = UNIT_POS as usize;
-        let lane = UNIT_POS_X as usize;
-        let warp = UNIT_POS_Y as usize;
-        let kv4 = comptime!(k / 4);
-        let threads = comptime!(32 * warps);
-        let iters = comptime!((k / 4).div_ceil(32 * warps));
-        let mut inv = Array::<f32>::new(tb);
-        #[unroll]
-        for t in 0..tb {
-            let mut tok = CUBE_POS_Y as usize * tb + t;
-            if tok >= n {
-                tok = n - 1;
-            }
-            let mut vals = Array::<Vector<f32, N>>::new(iters);
-            #[unroll]
-            for i in 0..iters {
-                let v = tid + i * threads;
-                if v < kv4 {
-                    vals[i] = x[tok * kv4 + v];
-                }
-            }
-            let mut ss = f32::new(0.0);
-            #[unroll]
-            for i in 0..iters {
-                let v = tid + i * threads;
-                if v < kv4 {
-                    let a = vals[i];
-                    ss += a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
-                }
-            }
-            let sw = plane_sum(ss);
-            let mut part = SharedMemory::<f32>::new(warps);
-            if lane == 0 {
-                part[warp] = sw;
-            }
-            sync_cube();
-            let mut total = f32::new(0.0);
-            #[unroll]
-            for q in 0..warps {
-                total += part[q];
-            }
-            inv[t] = f32::new(1.0) / (total / f32::new(comptime!(k as f32)) + eps).sqrt();
-            // Every warp has read `part` before the next token's sums go in.
-            sync_cube();
-        }
+        let mut xs = SharedMemory::<Vector<f32, N>>::new(comptime!(tb * k / 4));
+        let mut wv = Array::<Vector<u32, N>>::new(comptime!(rows_at_once * unroll));
+        first_loads::<N>(w, w, &mut wv, rows, block, k, rows_at_once, warps, ksplit, unroll, 1usize);
+        stage_normed::<N>(x, g, &mut xs, n, eps, k, tb, warps);
+        let t = true;
         gemv_block::<N>(
             x,
-            g,
-            &inv,
+            &xs,
             w,
             w,
+            &mut wv,
             out,
             n,
             rows,
@@ -613,7 +713,8 @@ mod gpu {
             ksplit,
             unroll,
             1usize,
-            true,
+            t,
+            t,
         );
     }
 
@@ -891,8 +992,9 @@ mod tests {
     #[cfg(feature = "cuda")]
     #[test]
     fn short_matrices_get_smaller_blocks_only_at_few_tokens() {
+        // The rules (two tokens: one token of Kimi's shapes takes the measured table, below).
         for (rows, k) in [(1536, 7168), (576, 7168), (384, 7168), (2048, 7168), (7168, 2048)] {
-            let c = GemvConfig::for_shape(1, rows, k, 264);
+            let c = GemvConfig::for_shape(2, rows, k, 264);
             let blocks = rows.div_ceil(c.warps / c.ksplit * c.rows_at_once);
             assert!(blocks >= 264 || c.ksplit == 8, "{rows}x{k}: {c:?}");
             assert!(c.warps.is_multiple_of(c.ksplit), "{c:?}");
@@ -900,16 +1002,36 @@ mod tests {
             assert!((k / 8).div_ceil(32) >= 2 * c.ksplit, "{rows}x{k}: {c:?}");
             assert!(c.rows_at_once * c.unroll >= 4 || c.unroll == 1, "{rows}x{k}: {c:?}");
             assert!(c.rows_at_once == 1 || c.unroll == 1, "{rows}x{k}: {c:?}");
-            let sw = GemvConfig::for_swiglu(1, rows, k, 264);
+            let sw = GemvConfig::for_swiglu(2, rows, k, 264);
             assert_eq!(sw, GemvConfig { unroll: c.unroll.div_ceil(2), ..c });
         }
-        let kv_a = GemvConfig::for_shape(1, 576, 7168, 264);
+        let kv_a = GemvConfig::for_shape(2, 576, 7168, 264);
         assert_eq!((kv_a.rows_at_once, kv_a.ksplit, kv_a.unroll), (1, 4, 7), "{kv_a:?}");
-        assert_eq!(GemvConfig::for_shape(8, 1536, 7168, 264), GemvConfig::for_tokens(8));
+        assert_eq!(GemvConfig::for_shape(8, 1536, 7168 + 8, 264), GemvConfig::for_tokens(8));
         assert_eq!(GemvConfig::for_shape(1, 163_840, 7168, 264), GemvConfig::for_tokens(1));
         // o_proj: 224 blocks of 4 rows a warp -> 2 rows, one stretch at a time (as before the k-split).
         let o = GemvConfig::for_shape(4, 7168, 8192, 264);
         assert_eq!(o, GemvConfig { rows_at_once: 2, ..GemvConfig::for_tokens(4) });
+    }
+
+    #[test]
+    fn one_token_takes_the_measured_shapes_of_kimis_gemvs() {
+        let shape = |c: GemvConfig| (c.warps, c.rows_at_once, c.tb, c.ksplit, c.unroll);
+        assert_eq!(shape(GemvConfig::for_shape(1, 576, 7168, 264)), (8, 1, 1, 8, 2));
+        assert_eq!(shape(GemvConfig::for_shape(1, 7168, 8192, 264)), (8, 2, 1, 8, 1));
+        // SwiGLU's entry is its own; the plain GEMV of the same matrix keeps the rules.
+        assert_eq!(shape(GemvConfig::for_swiglu(1, 2048, 7168, 264)), (8, 1, 1, 2, 1));
+        assert_eq!(GemvConfig::tuned(1, 2048, 7168, false), None);
+        // Eight tokens: the pairs' matrices only.
+        assert_eq!(shape(GemvConfig::for_shape(8, 576, 7168, 264)), (8, 4, 8, 8, 2));
+        assert_eq!(GemvConfig::tuned(6, 12288, 1536, false), None);
+        // Other widths and a tensor-parallel rank's rows take the rules.
+        assert_eq!(GemvConfig::tuned(2, 576, 7168, false), None);
+        assert_eq!(GemvConfig::tuned(1, 768, 7168, false), None);
+        for (rows, k, swiglu) in [(1536, 7168, false), (12288, 1536, false), (384, 7168, false), (7168, 2048, false)] {
+            let c = GemvConfig::tuned(1, rows, k, swiglu).expect("a tuned shape");
+            assert!(c.warps.is_multiple_of(c.ksplit) && c.ksplit <= (k / 8).div_ceil(32), "{c:?}");
+        }
     }
 
     #[test]

@@ -27,16 +27,65 @@ pub fn rms_norm_kernel<N: Size>(
 ) {
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
+    let wv = comptime!(width / 4);
+    let threads = comptime!(32 * warps);
+    let iters = comptime!((width / 4).div_ceil(32 * warps));
+    let mut vals = Array::<Vector<f32, N>>::new(iters);
+    let mut gains = Array::<Vector<f32, N>>::new(iters);
+    let inv = norm_row::<N>(x, res, w, &mut vals, &mut gains, row, eps, width, warps, add, true);
+    #[unroll]
+    for i in 0..iters {
+        let v = tid + i * threads;
+        if v < wv {
+            let a = vals[i];
+            if add {
+                sum[row * wv + v] = a;
+            }
+            out[row * wv + v] = normed4::<N>(a, inv, gains[i]);
+        }
+    }
+}
+
+/// `(a * inv) * g`, element by element: the normed vector as every RMSNorm of eyrie-quant writes it.
+#[cube]
+pub fn normed4<N: Size>(a: Vector<f32, N>, inv: f32, g: Vector<f32, N>) -> Vector<f32, N> {
+    let mut o = Vector::<f32, N>::empty();
+    o[0] = a[0] * inv * g[0];
+    o[1] = a[1] * inv * g[1];
+    o[2] = a[2] * inv * g[2];
+    o[3] = a[3] * inv * g[3];
+    o
+}
+
+/// The RMSNorm of row `row` of `x` (of `x + res` with `add`) by a block of `warps` warps, every thread of which must
+/// call it: returns the row's inverse RMS, with thread `tid`'s vectors `tid + i * threads` of the row (`x + res`) in
+/// `vals[i]` and, with `load_gains`, of the weight `w` in `gains[i]` (`iters = ceil(width / 4 / threads)` each,
+/// loaded with the row: their latencies overlap; without it `gains` is not touched and the caller loads the weight
+/// later, holding fewer registers); the normed vector is then [`normed4`]`(vals[i], inv, gains[i])`. Its sums in one fixed order (each thread its vectors, a warp sum, the
+/// warps' sums in warp order), so every kernel that takes a row's norm through it (`rms_norm_kernel`, the normed
+/// GEMVs of `dense`) gets the same bits. Every load of the row and of the weight is issued before any is used (a
+/// loop of load-then-use made one row's norm a chain of memory latencies: ~5 us at one row of 7168 on the H200).
+#[cube]
+#[allow(clippy::manual_div_ceil, clippy::too_many_arguments)]
+pub fn norm_row<N: Size>(
+    x: &Array<Vector<f32, N>>,
+    res: &Array<Vector<f32, N>>,
+    w: &Array<Vector<f32, N>>,
+    vals: &mut Array<Vector<f32, N>>,
+    gains: &mut Array<Vector<f32, N>>,
+    row: usize,
+    eps: f32,
+    #[comptime] width: usize,
+    #[comptime] warps: usize,
+    #[comptime] add: bool,
+    #[comptime] load_gains: bool,
+) -> f32 {
+    let tid = UNIT_POS as usize;
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let wv = comptime!(width / 4);
     let threads = comptime!(32 * warps);
     let iters = comptime!((width / 4).div_ceil(32 * warps));
-    // Every load of the row (and of the weight) is issued before any is used, and the row stays in registers for
-    // the second pass: a loop of load-then-use made one row's norm a chain of `iters` memory latencies (~5 us at
-    // one row of 7168 on the H200, 31 launches a decode step).
-    let mut vals = Array::<Vector<f32, N>>::new(iters);
-    let mut gains = Array::<Vector<f32, N>>::new(iters);
     #[unroll]
     for i in 0..iters {
         let v = tid + i * threads;
@@ -46,7 +95,9 @@ pub fn rms_norm_kernel<N: Size>(
                 a += res[row * wv + v];
             }
             vals[i] = a;
-            gains[i] = w[v];
+            if comptime!(load_gains) {
+                gains[i] = w[v];
+            }
         }
     }
     let mut ss = f32::new(0.0);
@@ -55,9 +106,6 @@ pub fn rms_norm_kernel<N: Size>(
         let v = tid + i * threads;
         if v < wv {
             let a = vals[i];
-            if add {
-                sum[row * wv + v] = a;
-            }
             ss += a[0] * a[0] + a[1] * a[1] + a[2] * a[2] + a[3] * a[3];
         }
     }
@@ -73,18 +121,7 @@ pub fn rms_norm_kernel<N: Size>(
         total += part[q];
     }
     let inv = f32::new(1.0) / (total / f32::new(comptime!(width as f32)) + eps).sqrt();
-    #[unroll]
-    for i in 0..iters {
-        let v = tid + i * threads;
-        if v < wv {
-            let a = vals[i];
-            let g = gains[i];
-            let mut o = Vector::<f32, N>::empty();
-            o[0] = a[0] * inv * g[0];
-            o[1] = a[1] * inv * g[1];
-            o[2] = a[2] * inv * g[2];
-            o[3] = a[3] * inv * g[3];
-            out[row * wv + v] = o;
-        }
-    }
+    // Every warp has read `part` before a next call's sums go in.
+    sync_cube();
+    inv
 }

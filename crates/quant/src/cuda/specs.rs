@@ -699,8 +699,12 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
     // The model's GEMV pairs at the CUDA-core GEMV's widths (`cuda_ops::gemv_pair_jobs`): `q_a_proj` with
     // `kv_a_proj_with_mqa`, the shared expert's gate/up with the router (Kimi-K2's rows).
     for &k in ks {
-        for n in 1..=4 {
+        for n in 1..=8 {
             for (a, swiglu_a, b, swiglu_b) in [(1536, false, 576, false), (2048, true, 384, false)] {
+                // Above 4 rows only the measured shapes (`GemvConfig::tuned`) pair up.
+                if n > 4 && GemvConfig::tuned(n, a, k, swiglu_a).is_none() {
+                    continue;
+                }
                 let cfg = |rows, swiglu| {
                     if swiglu {
                         GemvConfig::for_swiglu(n, rows, k, 264)
