@@ -364,6 +364,21 @@ fn pairs(
     Ok(failed)
 }
 
+/// The RMSNorm of each row of `x` `[n, k]` (weight `g`, `eps`) in f64, rounded to f32 (the kernels' activations are
+/// f32): the normed GEMV's reference input.
+fn normed_reference(x: &[f32], g: &[f32], n: usize, k: usize, eps: f32) -> Vec<f32> {
+    let mut xn = vec![0.0f32; n * k];
+    for t in 0..n {
+        let row = &x[t * k..(t + 1) * k];
+        let ms = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / k as f64;
+        let inv = 1.0 / (ms + f64::from(eps)).sqrt();
+        for c in 0..k {
+            xn[t * k + c] = (f64::from(row[c]) * inv * f64::from(g[c])) as f32;
+        }
+    }
+    xn
+}
+
 /// A `gemv_pair` job of `(name, rows, SwiGLU)` over weights `w` (gate then up for SwiGLU).
 fn pair_job<'a>(
     (_, rows, swiglu): (&str, usize, bool),
@@ -429,16 +444,7 @@ fn normed(
             Ok(u32::from_bytes(&client.read_one(h.clone()).map_err(|e| anyhow::anyhow!("read: {e:?}"))?).to_vec())
         };
         let same = read(&two)? == read(&one)?;
-        // f64 reference: the norm in f64, rounded to f32 (the kernel's activations are f32), then the GEMV.
-        let mut xn = vec![0.0f32; n * k];
-        for t in 0..n {
-            let row = &x[t * k..(t + 1) * k];
-            let ms = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / k as f64;
-            let inv = 1.0 / (ms + f64::from(eps)).sqrt();
-            for c in 0..k {
-                xn[t * k + c] = (f64::from(row[c]) * inv * f64::from(g[c])) as f32;
-            }
-        }
+        let xn = normed_reference(&x, &g, n, k, eps);
         let checked: Vec<usize> = (0..rows).step_by(rows.div_ceil(256)).collect();
         let w_checked: Vec<u16> = checked.iter().flat_map(|&r| w[r * k..(r + 1) * k].iter().copied()).collect();
         let want = gemv_reference(&xn, &w_checked, n, checked.len(), k);
@@ -541,18 +547,7 @@ fn sweep(
         let want = match kind {
             Kind::Plain => gemv_reference(&x, &pick(&mats[0]), n, checked.len(), k),
             Kind::Swiglu => swiglu_reference(&x, &pick(&mats[0]), &pick(&mats[1]), n, checked.len(), k),
-            Kind::Normed => {
-                let mut xn = vec![0.0f32; n * k];
-                for t in 0..n {
-                    let row = &x[t * k..(t + 1) * k];
-                    let ms = row.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>() / k as f64;
-                    let inv = 1.0 / (ms + f64::from(eps)).sqrt();
-                    for c in 0..k {
-                        xn[t * k + c] = (f64::from(row[c]) * inv * f64::from(g[c])) as f32;
-                    }
-                }
-                gemv_reference(&xn, &pick(&mats[0]), n, checked.len(), k)
-            }
+            Kind::Normed => gemv_reference(&normed_reference(&x, &g, n, k, eps), &pick(&mats[0]), n, checked.len(), k),
         };
         let out = client.empty(n * rows * 4);
         let call = |i: usize, cfg: GemvConfig| -> Result<()> {

@@ -5,6 +5,8 @@
 //!
 //! - [`experts`]: the experts of one layer, their kernel layout (built once at load time) and the grouping of
 //!   token-expert pairs by expert. Always built.
+//! - [`dense_shapes`]: the GEMV's launch shapes (its rules, and the shapes measured best for Kimi-K2's matrices).
+//!   Always built.
 //! - [`reference`]: the CPU reference of the same math (f64 accumulation, `int4.rs` dequantization). Always built,
 //!   tested in CI.
 //! - `kernels` and [`gpu`] (feature `cuda`): the CubeCL kernels and their launches; [`specs`]: the kernel
@@ -17,6 +19,7 @@
 pub mod attention;
 pub mod dense;
 pub mod dense_mma;
+pub mod dense_shapes;
 pub mod experts;
 pub mod gemm;
 pub mod prefill_attention;
