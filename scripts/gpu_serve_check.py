@@ -4,6 +4,7 @@
   and that EAGLE-3 speculative serving on CUDA (fixtures/serve/tiny-drafter) gives the same tokens;
 - measures load time, GPU memory while serving and after exit (the process must leave nothing behind);
 - runs scripts/bench_serve.py against the CUDA server when present;
+- the CUDA server again with `--disable-overlap-schedule`: the same greedy text, and the sweep again;
 - SIGTERM: exit code 0.
 
 usage: python3 scripts/gpu_serve_check.py BIN OUT_DIR
@@ -86,6 +87,17 @@ if os.path.exists(bench):
         f.write(r.stdout + r.stderr)
 stop(cpu, "cpu")
 stop(cuda, "cuda")
+# The same server with every step run to its end before the next is queued (no overlap scheduling): the same
+# greedy text, and the sweep again for the difference overlap scheduling makes.
+plain, plain_url, report["plain_load_s"] = start(["--device", "cuda", "--disable-overlap-schedule"], "plain")
+report["no_overlap_equals_overlap_greedy"] = [a == b for a, b in zip(greedy(plain_url), cuda_text)]
+if os.path.exists(bench):
+    r = subprocess.run([sys.executable, bench, "--url", plain_url, "--json",
+                        os.path.join(OUT, "serve_gpu_no_overlap.json")], capture_output=True, text=True, timeout=400)
+    report["bench_serve_no_overlap_rc"] = r.returncode
+    with open(os.path.join(OUT, "bench_serve_gpu_no_overlap.txt"), "w") as f:
+        f.write(r.stdout + r.stderr)
+stop(plain, "plain")
 spec, spec_url, report["spec_load_s"] = start(
     ["--device", "cuda", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
      os.path.join(ROOT, "fixtures/serve/tiny-drafter"), "--speculative-num-steps", "3"], "spec")

@@ -23,7 +23,12 @@
 //!
 //! usage: bench_decode [--splits 1x1,2x1,1x2] [--layers 2] [--batch 1,8] [--context 1024] [--steps 8] [--warmup 3]
 //!                     [--json PATH] [--budget-s 600] [--device cpu --config DIR] [--compare-host-router]
-//!                     [--profile-steps N] [--read-logits]
+//!                     [--profile-steps N] [--read-logits] [--overlap]
+//! (`--overlap`, one GPU: each batch also runs as an overlapped greedy chain, the engine's way to keep the GPU busy
+//! across steps: step `t + 1` is queued with its tokens embedded from step `t`'s device argmax before the host
+//! waits for step `t`'s ids (`ParallelGroup::forward_batch_fed`, `sampling::pending_argmax`); first checked
+//! against a host-fed greedy chain on a second cache with the same prompts (same ids at every step, else an
+//! error); reported as the median time between consecutive steps' ids reaching the host)
 //! (`--profile-steps N`: N more steps a batch between cuProfilerStart/Stop, for
 //! `ncu --profile-from-start off --metrics gpu__time_duration.sum --csv bench_decode ...`: per-kernel GPU times of
 //! decode steps alone; `scripts/ncu_step_summary.py` sums them by kernel)
@@ -158,6 +163,8 @@ struct Row {
     /// Median time the host takes to queue a step (until `forward_batch` returns, before the logits are read):
     /// close to `ms`, the step is bound by the host's launches; well under it, by the GPU.
     enqueue_ms: f64,
+    /// `--overlap`: median and mean step of the overlapped greedy chain.
+    overlap_ms: Option<(f64, f64)>,
 }
 
 /// `--read-logits`: end each step with the whole logits rows copied to the host (the step before session 19)
@@ -171,6 +178,88 @@ static COMPARE_HOST_ROUTER: std::sync::atomic::AtomicBool = std::sync::atomic::A
 /// `cuProfilerStop` (queue drained before and after), for `ncu --profile-from-start off`: each kernel of a decode
 /// step with its own GPU time, and nothing of the weight making, the prefill or the warm-up.
 static PROFILE_STEPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `--overlap`: each batch also timed as an overlapped greedy chain: step `t + 1` is queued (its tokens embedded
+/// from step `t`'s device argmax, `forward_batch_fed`) before the host waits for step `t`'s ids, after a check that
+/// such a chain picks the same ids as one fed from the host.
+static OVERLAP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Steps of the overlap check (each chain, on its own cache).
+const OVERLAP_CHECK_STEPS: usize = 6;
+
+/// Prefills every sequence of `seqs` with its prompt, in chunks (as the timed runs' prefill).
+fn prefill<B: ParallelBackend>(
+    group: &mut ParallelGroup<B>,
+    cache: &mut PagedMlaCache<B>,
+    seqs: &mut [SequenceCache],
+    prompts: &[Vec<u32>],
+    what: &str,
+    device: &B::Device,
+) -> Result<(), Error> {
+    let (batch, context) = (seqs.len(), prompts.first().map_or(0, Vec::len));
+    let chunk = (PREFILL_ROWS / batch).clamp(64, 1024);
+    for start in (0..context).step_by(chunk) {
+        let end = (start + chunk).min(context);
+        let mut entries: Vec<BatchEntry<'_>> =
+            seqs.iter_mut().zip(prompts).map(|(seq, p)| BatchEntry { seq, tokens: &p[start..end] }).collect();
+        let logits = group.forward_batch(&mut entries, cache, LogitRows::Last, device)?;
+        let _ = logits.into_data();
+        eprintln!("[{:.0} s] {what}: prefilled {end} of {context}", t());
+    }
+    Ok(())
+}
+
+/// A greedy chain of `steps` decode steps from `first` (one token a sequence), each step's picks read back.
+/// Overlapped (`fed`): step `t + 1` is queued with step `t`'s ids on the device before the host waits for them
+/// (`sampling::pending_argmax`); otherwise each step waits for its ids and feeds them from the host. Returns the picks of
+/// every step and, overlapped, the wall time between consecutive steps' ids reaching the host (`steps - 1`
+/// intervals: the chain's step time once the queue is full).
+fn greedy_chain<B: ParallelBackend>(
+    group: &mut ParallelGroup<B>,
+    cache: &mut PagedMlaCache<B>,
+    seqs: &mut [SequenceCache],
+    first: &[u32],
+    steps: usize,
+    fed: bool,
+    device: &B::Device,
+) -> Result<(Vec<Vec<u32>>, Vec<f64>), Error> {
+    let mut picks: Vec<Vec<u32>> = Vec::with_capacity(steps);
+    let mut intervals = Vec::with_capacity(steps);
+    let mut pending: Option<eyrie_model::sampling::PendingPicks<B>> = None;
+    let mut last: Option<Instant> = None;
+    for i in 0..steps {
+        let host: Vec<[u32; 1]> = match (i, picks.last()) {
+            (0, _) | (_, None) => first.iter().map(|&t| [t]).collect(),
+            (_, Some(p)) => p.iter().map(|&t| [t]).collect(),
+        };
+        // Overlapped, the host tokens of step t + 1 are step t - 1's picks (placeholders: only their count is
+        // used, the embedding reads the device ids).
+        let mut entries: Vec<BatchEntry<'_>> =
+            seqs.iter_mut().zip(&host).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
+        let ids = pending.as_ref().map(|p| p.ids.clone());
+        let logits = group.forward_batch_fed(&mut entries, cache, LogitRows::Last, device, ids.as_ref())?;
+        if fed {
+            let next = eyrie_model::sampling::pending_argmax(&logits)?;
+            if let Some(prev) = pending.replace(next) {
+                picks.push(prev.wait()?);
+                let now = Instant::now();
+                if let Some(l) = last.replace(now) {
+                    intervals.push((now - l).as_secs_f64() * 1e3);
+                }
+            }
+        } else {
+            picks.push(eyrie_model::sampling::pending_argmax(&logits)?.wait()?);
+        }
+    }
+    if let Some(p) = pending.take() {
+        picks.push(p.wait()?);
+        let now = Instant::now();
+        if let Some(l) = last.replace(now) {
+            intervals.push((now - l).as_secs_f64() * 1e3);
+        }
+    }
+    Ok((picks, intervals))
+}
 
 /// Brackets `f` with the CUDA profiler's start and stop (CUDA only; on the CPU backend it just runs `f`).
 fn profiled<B: Backend>(f: impl FnOnce() -> Result<(), Error>) -> Result<(), Error> {
@@ -201,7 +290,10 @@ fn run_split<B: ParallelBackend>(
     let max_batch = batches.iter().copied().max().unwrap_or(1);
     let compare = COMPARE_HOST_ROUTER.load(std::sync::atomic::Ordering::Relaxed);
     let profile = PROFILE_STEPS.load(std::sync::atomic::Ordering::Relaxed);
-    let blocks = max_batch * (context + warmup + steps * (1 + usize::from(compare)) + profile + 1).div_ceil(BLOCK) + 1;
+    let overlap = OVERLAP.load(std::sync::atomic::Ordering::Relaxed);
+    let more = if overlap { steps + 1 } else { 0 };
+    let blocks =
+        max_batch * (context + warmup + steps * (1 + usize::from(compare)) + profile + more + 1).div_ceil(BLOCK) + 1;
     let started = Instant::now();
     eprintln!("[{:.0} s] split {tp}x{ep}: making the weights", t());
     let (mut group, device) = ParallelGroup::<B>::synthetic(config, tp, ep, first, blocks, BLOCK)?;
@@ -218,17 +310,10 @@ fn run_split<B: ParallelBackend>(
         let mut seqs = vec![SequenceCache::default(); batch];
         let prompts: Vec<Vec<u32>> =
             (0..batch).map(|s| (0..context).map(|t| ((s * 7919 + t * 104_729) % vocab) as u32).collect()).collect();
-        let prefill = Instant::now();
-        let chunk = (PREFILL_ROWS / batch).clamp(64, 1024);
-        for start in (0..context).step_by(chunk) {
-            let end = (start + chunk).min(context);
-            let mut entries: Vec<BatchEntry<'_>> =
-                seqs.iter_mut().zip(&prompts).map(|(seq, p)| BatchEntry { seq, tokens: &p[start..end] }).collect();
-            let logits = group.forward_batch(&mut entries, &mut cache, LogitRows::Last, &device)?;
-            let _ = logits.into_data();
-            eprintln!("[{:.0} s] split {tp}x{ep} batch {batch}: prefilled {end} of {context}", t());
-        }
-        let prefill_s = prefill.elapsed().as_secs_f64();
+        let prefill_started = Instant::now();
+        let what = format!("split {tp}x{ep} batch {batch}");
+        prefill(&mut group, &mut cache, &mut seqs, &prompts, &what, &device)?;
+        let prefill_s = prefill_started.elapsed().as_secs_f64();
         memory_line::<B>(&device, &format!("batch {batch} after prefill"));
         // Returns the host's enqueue time: until the step's last launch is queued, before the logits are read.
         let mut step = |group: &mut ParallelGroup<B>, i: usize| -> Result<f64, Error> {
@@ -302,6 +387,42 @@ fn run_split<B: ParallelBackend>(
             })?;
             eprintln!("[{:.0} s] split {tp}x{ep} batch {batch}: {profile_steps} profiled steps done", t());
         }
+        let overlap_ms = if overlap && tp * ep == 1 {
+            // The check: two fresh caches with the same prompts (their first 256 tokens), one chain fed from the
+            // device and overlapped, one fed from the host; their picks must be the same ids at every step.
+            let short: Vec<Vec<u32>> = prompts.iter().map(|p| p[..p.len().min(256)].to_vec()).collect();
+            let first: Vec<u32> = (0..batch).map(|s| ((s * 13 + 5) % vocab) as u32).collect();
+            let n = OVERLAP_CHECK_STEPS;
+            let mut chains = Vec::new();
+            for fed in [false, true] {
+                let check_blocks = batch * (256 + n + 1).div_ceil(BLOCK) + 1;
+                let mut check_cache = PagedMlaCache::<B>::new(config, check_blocks, BLOCK, &device)?;
+                let mut check_seqs = vec![SequenceCache::default(); batch];
+                let label = format!("{what} (overlap check)");
+                prefill(&mut group, &mut check_cache, &mut check_seqs, &short, &label, &device)?;
+                chains.push(greedy_chain(&mut group, &mut check_cache, &mut check_seqs, &first, n, fed, &device)?.0);
+            }
+            let (host_fed, device_fed) = (&chains[0], &chains[1]);
+            if host_fed != device_fed {
+                return Err(format!(
+                    "{what}: the overlapped chain picked {device_fed:?}, the host-fed chain {host_fed:?}"
+                )
+                .into());
+            }
+            eprintln!("[{:.0} s] {what}: overlapped chain picks = host-fed chain picks over {n} steps", t());
+            let start = first;
+            let timed = Instant::now();
+            let (_, mut intervals) = greedy_chain(&mut group, &mut cache, &mut seqs, &start, steps + 1, true, &device)?;
+            let total = timed.elapsed().as_secs_f64() * 1e3;
+            intervals.sort_by(f64::total_cmp);
+            let median = intervals.get(intervals.len() / 2).copied().unwrap_or(f64::NAN);
+            // The mean over the whole chain, its first (unoverlapped) step included, per step after the first.
+            let mean = total / (steps + 1) as f64;
+            eprintln!("[{:.0} s] {what}: overlapped {median:.3} ms/step median, {mean:.3} mean", t());
+            Some((median, mean))
+        } else {
+            None
+        };
         let spec = ShardSpec { rank: 0, tp, ep };
         // Dense weights: BF16 on CUDA (the synthetic ones are BF16 values, as a checkpoint's), f32 on the CPU.
         let dense_bytes = if eyrie_model::fused_moe::is_cuda::<B>() { 2.0 } else { 4.0 };
@@ -320,6 +441,7 @@ fn run_split<B: ParallelBackend>(
             prefill_s,
             host_router_ms,
             enqueue_ms: enqueue[steps / 2],
+            overlap_ms,
         };
         eprintln!(
             "[{:.0} s] split {tp}x{ep} batch {batch}: {:.1} ms/step median, {:.1} mean, {:.1} max (roofline {:.2} ms), prefill {:.1} s",
@@ -404,7 +526,8 @@ fn write_json(
             serde_json::json!({"tp": r.tp, "ep": r.ep, "gpus": r.tp.max(r.ep), "batch": r.batch,
                 "context": r.context, "ms_per_step": r.ms, "mean_ms": r.mean_ms, "max_ms": r.max_ms, "rank0_gb_per_step": r.gb,
                 "roofline_ms": r.roofline_ms, "collective_share": r.collective_share, "prefill_s": r.prefill_s,
-                "host_router_ms_per_step": r.host_router_ms, "host_enqueue_ms": r.enqueue_ms})
+                "host_router_ms_per_step": r.host_router_ms, "host_enqueue_ms": r.enqueue_ms,
+                "overlapped_ms_per_step": r.overlap_ms.map(|o| o.0), "overlapped_mean_ms": r.overlap_ms.map(|o| o.1)})
         })
         .collect();
     let doc = serde_json::json!({"model": "Kimi-K2 slice, synthetic weights (INT4 routed experts; dense weights BF16 values, held BF16 on CUDA)", "layers": layers,
@@ -445,6 +568,7 @@ fn main() -> Result<(), Error> {
             "--config" => config_dir = Some(value()?),
             "--compare-host-router" => COMPARE_HOST_ROUTER.store(true, std::sync::atomic::Ordering::Relaxed),
             "--read-logits" => READ_LOGITS.store(true, std::sync::atomic::Ordering::Relaxed),
+            "--overlap" => OVERLAP.store(true, std::sync::atomic::Ordering::Relaxed),
             "--profile-steps" => PROFILE_STEPS.store(value()?.parse()?, std::sync::atomic::Ordering::Relaxed),
             other => return Err(format!("unknown argument {other}").into()),
         }
@@ -485,12 +609,12 @@ fn main() -> Result<(), Error> {
         LAUNCH_US.get().copied().unwrap_or(f64::NAN)
     );
     println!(
-        "| tp | ep | GPUs | batch | ms/step | rank-0 bytes/step | roofline ms | x roofline | in collectives | prefill s | host enqueue ms | host-router ms/step |"
+        "| tp | ep | GPUs | batch | ms/step | rank-0 bytes/step | roofline ms | x roofline | in collectives | prefill s | host enqueue ms | host-router ms/step | overlapped ms/step (x roofline) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         println!(
-            "| {} | {} | {} | {} | {:.1} | {:.1} GB | {:.2} | {:.1} | {} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.3} | {:.1} GB | {:.3} | {:.3} | {} | {:.1} | {:.1} | {} | {} |",
             r.tp,
             r.ep,
             r.tp.max(r.ep),
@@ -502,7 +626,8 @@ fn main() -> Result<(), Error> {
             r.collective_share.map_or("-".into(), |s| format!("{:.0}%", 100.0 * s)),
             r.prefill_s,
             r.enqueue_ms,
-            r.host_router_ms.map_or("-".into(), |v| format!("{v:.1}"))
+            r.host_router_ms.map_or("-".into(), |v| format!("{v:.1}")),
+            r.overlap_ms.map_or("-".into(), |(m, _)| format!("{m:.3} ({:.3})", m / r.roofline_ms))
         );
     }
     for f in &failures {

@@ -325,6 +325,36 @@ impl<B: Backend> DeepseekV3<B> {
         capture: &[usize],
         device: &B::Device,
     ) -> Result<(Tensor<B, 2>, Vec<Tensor<B, 2>>)> {
+        self.forward_batch_capture_fed(batch, cache, rows, capture, device, None)
+    }
+
+    /// [`Self::forward_batch`] whose embedding reads the step's token ids from `fed` (`[N]` int on the device: the
+    /// batch's tokens in order, e.g. the previous step's greedy picks, [`crate::sampling::PendingPicks::ids`])
+    /// instead of uploading the entries' tokens, so a step can be queued before the host has read the previous
+    /// step's picks. The entries' token counts still place the rows; their values are checked, not embedded.
+    ///
+    /// # Errors
+    /// As [`Self::forward_batch`], and `fed` not holding one id per token of the batch.
+    pub fn forward_batch_fed(
+        &self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        device: &B::Device,
+        fed: Option<&Tensor<B, 1, Int>>,
+    ) -> Result<Tensor<B, 2>> {
+        Ok(self.forward_batch_capture_fed(batch, cache, rows, &[], device, fed)?.0)
+    }
+
+    fn forward_batch_capture_fed(
+        &self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        capture: &[usize],
+        device: &B::Device,
+        fed: Option<&Tensor<B, 1, Int>>,
+    ) -> Result<(Tensor<B, 2>, Vec<Tensor<B, 2>>)> {
         if batch.is_empty() || batch.iter().any(|e| e.tokens.is_empty()) {
             return Err(ModelError::Input { message: "a batched step needs at least one token per sequence".into() });
         }
@@ -338,9 +368,25 @@ impl<B: Backend> DeepseekV3<B> {
             });
         }
         let flat: Vec<u32> = batch.iter().flat_map(|e| e.tokens.iter().copied()).collect();
-        let ids = self.token_tensor(&[&flat], device)?;
-        cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
         let (n, d) = (flat.len(), self.config.hidden_size);
+        let ids = match fed {
+            None => self.token_tensor(&[&flat], device)?,
+            Some(f) => {
+                let vocab = self.config.vocab_size;
+                if f.dims() != [n] {
+                    return Err(ModelError::Input {
+                        message: format!("fed token ids: shape {:?}, the batch has {n} tokens", f.dims()),
+                    });
+                }
+                if let Some(&bad) = flat.iter().find(|&&t| t as usize >= vocab) {
+                    return Err(ModelError::Input {
+                        message: format!("token id {bad} is outside the vocabulary (size {vocab})"),
+                    });
+                }
+                f.clone().reshape([1, n])
+            }
+        };
+        cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
 
         let spans = batch_spans(batch);
         let tables = batch_rope_tables(&self.rope, &spans, device);

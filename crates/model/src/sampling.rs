@@ -328,6 +328,62 @@ pub fn device_argmax<B: burn::tensor::backend::Backend>(
     }
 }
 
+/// The greedy picks of a step, launched and queued for the host but not yet waited for ([`pending_argmax`]): the
+/// next step can embed [`Self::ids`] on the device (`forward_batch_fed`) before the host reads them, so the host
+/// queues step `t + 1` while the device still runs step `t` (an overlapped greedy chain).
+pub struct PendingPicks<B: burn::tensor::backend::Backend> {
+    /// The picks on the device, `[rows]` int, [`argmax`]'s rule.
+    pub ids: burn::tensor::Tensor<B, 1, burn::tensor::Int>,
+    #[cfg(feature = "cuda")]
+    device: Option<crate::cuda_ops::PendingIds<B>>,
+}
+
+impl<B: burn::tensor::backend::Backend> std::fmt::Debug for PendingPicks<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingPicks").field("rows", &self.ids.dims()[0]).finish_non_exhaustive()
+    }
+}
+
+impl<B: burn::tensor::backend::Backend> PendingPicks<B> {
+    /// Waits for the picks and returns them, one id a row.
+    ///
+    /// # Errors
+    /// The device's message when the step or the readback failed.
+    pub fn wait(self) -> std::result::Result<Vec<u32>, String> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = self.device {
+            return d.wait();
+        }
+        let data = self.ids.into_data();
+        let ids = data.convert::<i64>().to_vec::<i64>().map_err(|e| format!("greedy picks: {e:?}"))?;
+        Ok(ids.into_iter().map(|i| i as u32).collect())
+    }
+}
+
+/// [`argmax`] of every row of `logits` `[rows, vocab]`, left on the device with its readback queued
+/// ([`PendingPicks`]): on CUDA the device kernel ([`device_argmax`]'s, its ids copied to the host behind it on the
+/// stream); elsewhere burn's `argmax` over the logits with NaN as `-inf` (ties to the lowest index, as [`argmax`]),
+/// read when waited for.
+///
+/// # Errors
+/// The launcher's message.
+pub fn pending_argmax<B: burn::tensor::backend::Backend>(
+    logits: &burn::tensor::Tensor<B, 2>,
+) -> std::result::Result<PendingPicks<B>, String> {
+    #[cfg(feature = "cuda")]
+    if let Some(p) = crate::cuda_ops::argmax_rows_pending(logits) {
+        let p = p?;
+        return Ok(PendingPicks { ids: p.ids.clone(), device: Some(p) });
+    }
+    let [rows, _] = logits.dims();
+    let clean = logits.clone().mask_fill(logits.clone().is_nan(), f32::NEG_INFINITY);
+    Ok(PendingPicks {
+        ids: clean.argmax(1).reshape([rows]),
+        #[cfg(feature = "cuda")]
+        device: None,
+    })
+}
+
 /// `log_softmax(logits)` in f64 precision, returned as f32 (NaN logits get `-inf`): the log-probabilities the
 /// OpenAI API reports (of the model's raw distribution, before penalties and filtering, as vLLM's default).
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {

@@ -473,3 +473,75 @@ fn fused_expert_layout_gives_the_same_logits_unsharded_and_sharded() {
         }
     }
 }
+
+/// One batched step of a model with optional device-fed token ids (`forward_batch_fed`).
+type FedStep<'a> = dyn FnMut(
+        &mut [BatchEntry<'_>],
+        &mut PagedMlaCache<Flex>,
+        Option<&Tensor<Flex, 1, burn::tensor::Int>>,
+    ) -> eyrie_model::error::Result<Tensor<Flex, 2>>
+    + 'a;
+
+/// A greedy chain whose steps embed the previous step's picks on the device (`forward_batch_fed` with
+/// `sampling::pending_argmax`'s ids, the overlap schedule of the server and `bench_decode --overlap`) gives the same
+/// logits as the host-fed chain, on the unsharded model and on a one-rank group; the picks are the host's
+/// `argmax`; a multi-rank group and ids of the wrong length are input errors that change nothing.
+#[test]
+fn device_fed_greedy_steps_equal_host_fed_steps() {
+    let device = Default::default();
+    let dir = fixture("yarn_qlora");
+    let full = DeepseekV3::<Flex>::load(&dir, &device).unwrap();
+    let rows = prompt_rows("yarn_qlora");
+    let prompts = vec![rows[0].clone(), rows[1][..rows[1].len() - 3].to_vec()];
+    let (want, _) = cached_steps(&full, &prompts, 4);
+    let vocab = full.config.vocab_size;
+    // `forward` is the model's step with `fed`: the unsharded model, then a one-rank group.
+    let chain = |forward: &mut FedStep<'_>| {
+        let mut cache = PagedMlaCache::new(&full.config, 16, 4, &device).unwrap();
+        let mut seqs = vec![SequenceCache::default(); prompts.len()];
+        let mut batch: Vec<BatchEntry<'_>> =
+            seqs.iter_mut().zip(&prompts).map(|(seq, t)| BatchEntry { seq, tokens: t }).collect();
+        let mut logits = forward(&mut batch, &mut cache, None).unwrap();
+        let mut got = vec![host(logits.clone())];
+        for _ in 0..4 {
+            let picks = eyrie_model::sampling::pending_argmax(&logits).unwrap();
+            // Wrong length: refused before anything changes (the sequences' lengths stay).
+            let lens: Vec<usize> = seqs.iter().map(|s| s.len).collect();
+            let short = picks.ids.clone().narrow(0, 0, 1);
+            let mut batch: Vec<BatchEntry<'_>> = seqs.iter_mut().map(|seq| BatchEntry { seq, tokens: &[0] }).collect();
+            match forward(&mut batch, &mut cache, Some(&short)) {
+                Err(ModelError::Input { message }) => assert!(message.contains("fed token ids"), "{message}"),
+                other => panic!("ids of the wrong length: {:?}", other.map(|t| t.dims())),
+            }
+            assert_eq!(seqs.iter().map(|s| s.len).collect::<Vec<_>>(), lens);
+            // Placeholder host tokens (0): only their count is used.
+            let mut batch: Vec<BatchEntry<'_>> = seqs.iter_mut().map(|seq| BatchEntry { seq, tokens: &[0] }).collect();
+            let next = forward(&mut batch, &mut cache, Some(&picks.ids)).unwrap();
+            let host_rows = host(logits.clone());
+            let want_picks: Vec<u32> = host_rows.chunks_exact(vocab).map(eyrie_model::sampling::argmax).collect();
+            assert_eq!(picks.wait().unwrap(), want_picks, "the picks are the host argmax's");
+            got.push(host(next.clone()));
+            logits = next;
+        }
+        got
+    };
+    let unsharded = chain(&mut |b, c, f| full.forward_batch_fed(b, c, LogitRows::Last, &device, f));
+    let (mut group, gdev) = ParallelGroup::<Flex>::load(&dir, 1, 1, &device, 16, 4).unwrap();
+    let grouped = chain(&mut |b, c, f| group.forward_batch_fed(b, c, LogitRows::Last, &gdev, f));
+    for (name, got) in [("unsharded", &unsharded), ("one-rank group", &grouped)] {
+        for (step, (g, w)) in got.iter().zip(&want).enumerate() {
+            let err = scaled_error(g, w);
+            assert!(err <= TOLERANCE, "{name} step {step}: device-fed logits error {err:e}");
+        }
+    }
+    let (mut group, gdev) = ParallelGroup::<Flex>::load(&dir, 2, 1, &device, 16, 4).unwrap();
+    let mut cache = PagedMlaCache::new(group.config(), 16, 4, &gdev).unwrap();
+    let mut seq = SequenceCache::default();
+    let ids = Tensor::<Flex, 1, burn::tensor::Int>::from_data(TensorData::new(vec![3i64], [1]), &gdev);
+    let mut batch = [BatchEntry { seq: &mut seq, tokens: &[3] }];
+    match group.forward_batch_fed(&mut batch, &mut cache, LogitRows::Last, &gdev, Some(&ids)) {
+        Err(ModelError::Input { message }) => assert!(message.contains("one-rank"), "{message}"),
+        other => panic!("a two-rank group took fed ids: {:?}", other.map(|t| t.dims())),
+    }
+    assert_eq!(seq.len, 0);
+}

@@ -153,6 +153,86 @@ pub fn memory_usage<B: Backend>(device: &B::Device) -> Option<(u64, u64)> {
     Some((usage.bytes_in_use, usage.bytes_reserved))
 }
 
+/// A greedy pick of every row launched on the device with its readback queued, not yet waited for
+/// ([`argmax_rows_pending`]): the next step can embed [`Self::ids`] on the device before the host has the ids, so
+/// the host queues step `t + 1` while the GPU still runs step `t` (and reads step `t`'s ids during step `t + 1`).
+pub struct PendingIds<B: Backend> {
+    /// The picks on the device, `[rows]` int (the kernel's u32 ids, all below the vocabulary size).
+    pub ids: Tensor<B, 1, Int>,
+    read: std::pin::Pin<Box<dyn Future<Output = Result<Vec<u32>, String>> + Send>>,
+}
+
+impl<B: Backend> std::fmt::Debug for PendingIds<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingIds").field("rows", &self.ids.dims()[0]).finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> PendingIds<B> {
+    /// Waits for the readback (queued behind the pick's launch when it was made) and returns the ids.
+    ///
+    /// # Errors
+    /// The device's message when the step or the readback failed.
+    pub fn wait(self) -> Result<Vec<u32>, String> {
+        cubecl::reader::read_sync(self.read)
+    }
+}
+
+/// A clone of `client` that lives as long as the process, one a device (kept the first time a device asks): CubeCL's
+/// `read_async` returns a future that borrows its client, and a pending readback outlives the call that queued it.
+fn lasting_client(
+    client: &cubecl::client::ComputeClient<cubecl::cuda::CudaRuntime>,
+    device: &cubecl::cuda::CudaDevice,
+) -> &'static cubecl::client::ComputeClient<cubecl::cuda::CudaRuntime> {
+    type Kept = Vec<(cubecl::cuda::CudaDevice, &'static cubecl::client::ComputeClient<cubecl::cuda::CudaRuntime>)>;
+    static KEPT: std::sync::Mutex<Kept> = std::sync::Mutex::new(Vec::new());
+    let mut kept = KEPT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some((_, c)) = kept.iter().find(|(d, _)| d == device) {
+        return c;
+    }
+    let c: &'static _ = Box::leak(Box::new(client.clone()));
+    kept.push((device.clone(), c));
+    c
+}
+
+/// [`argmax_rows`] without the wait: the pick is launched, its `rows` ids are queued for the host (a copy and a
+/// fence on the stream, in order behind the step) and also kept on the device as an int tensor. `None` where
+/// [`argmax_rows`] is `None`.
+///
+/// # Errors
+/// The launcher's message.
+pub fn argmax_rows_pending<B: Backend>(logits: &Tensor<B, 2>) -> Option<Result<PendingIds<B>, String>> {
+    let [rows, vocab] = logits.dims();
+    if !is_cuda::<B>() || logits.dtype() != burn::tensor::DType::F32 || rows == 0 || !vocab.is_multiple_of(4) {
+        return None;
+    }
+    let lc = float(logits.clone())?;
+    let client = lc.client.clone();
+    let out = client.empty(rows * 4);
+    if let Err(e) = eyrie_quant::cuda::sampling::argmax_rows(&client, &lc.handle, rows, vocab, &out) {
+        return Some(Err(e));
+    }
+    // The readback is queued now (the client submits the copy and its fence to the device thread at once); only its
+    // wait is deferred. The future borrows the client it came from, hence the device's lasting one.
+    let read = lasting_client(&client, &lc.device).read_async(vec![out.clone()]);
+    let read = Box::pin(async move {
+        let bytes = read.await.map_err(|e| format!("argmax readback: {e:?}"))?;
+        let bytes = bytes.first().ok_or("argmax readback: no buffer came back")?;
+        Ok(bytes.chunks_exact(4).take(rows).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+    });
+    // The kernel's ids are below 2^31 (its sentinel becomes 0), so their bits are the same i32 values.
+    let ids = burn_cubecl::tensor::CubeTensor::new_contiguous(
+        client,
+        lc.device.clone(),
+        burn::tensor::Shape::new([rows]),
+        out,
+        burn::tensor::DType::I32,
+    );
+    let boxed: Box<dyn Any> = Box::new(ids);
+    let prim = boxed.downcast::<B::IntTensorPrimitive>().ok()?;
+    Some(Ok(PendingIds { ids: Tensor::from_primitive(*prim), read }))
+}
+
 /// The argmax of each row of `logits` `[rows, vocab]` on the device (eyrie-quant's `cuda::sampling::argmax_rows`,
 /// the host `sampling::argmax`'s rule), read back as `rows` ids: a greedy step's picks without copying the logits
 /// to the host. `None` when `B` is not CUDA, the logits are not f32 or `vocab` is not a multiple of 4 (the caller

@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 
-use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor};
 
 use super::comm::{Communicator, LocalCommunicator};
 use super::model::ShardedDeepseekV3;
@@ -273,6 +273,31 @@ impl<B: Backend> ParallelGroup<B> {
         rows: LogitRows,
         device: &B::Device,
     ) -> Result<Tensor<B, 2>> {
+        self.forward_batch_fed(batch, cache, rows, device, None)
+    }
+
+    /// [`Self::forward_batch`] embedding the token ids `fed` holds on rank 0's device (see
+    /// [`ShardedDeepseekV3::forward_batch_fed`]): a one-rank group only for now (the workers get their tokens from the
+    /// host).
+    ///
+    /// # Errors
+    /// As [`Self::forward_batch`]; `fed` given to a group of more than one rank, or of the wrong length.
+    pub fn forward_batch_fed(
+        &mut self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        device: &B::Device,
+        fed: Option<&Tensor<B, 1, Int>>,
+    ) -> Result<Tensor<B, 2>> {
+        if fed.is_some() && !self.workers.is_empty() {
+            return Err(ModelError::Input {
+                message: format!(
+                    "token ids fed from the device need a one-rank group; this one has {} ranks",
+                    self.workers.len() + 1
+                ),
+            });
+        }
         if let Some(why) = &self.broken {
             return Err(ModelError::Collective {
                 op: "step",
@@ -290,6 +315,14 @@ impl<B: Backend> ParallelGroup<B> {
                 message: format!("token id {bad} is outside the vocabulary (size {vocab})"),
             });
         }
+        let n: usize = batch.iter().map(|e| e.tokens.len()).sum();
+        if let Some(f) = fed
+            && f.dims() != [n]
+        {
+            return Err(ModelError::Input {
+                message: format!("fed token ids: shape {:?}, the batch has {n} tokens", f.dims()),
+            });
+        }
         cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
         let entries: Vec<(SequenceCache, Vec<u32>)> =
             batch.iter().map(|e| (e.seq.clone(), e.tokens.to_vec())).collect();
@@ -305,7 +338,7 @@ impl<B: Backend> ParallelGroup<B> {
             None => match self.comm.as_ref() {
                 Some(comm) => {
                     let shard = &self.shard;
-                    catch_unwind(AssertUnwindSafe(|| shard.forward_batch(batch, cache, rows, comm, device)))
+                    catch_unwind(AssertUnwindSafe(|| shard.forward_batch_fed(batch, cache, rows, comm, device, fed)))
                         .unwrap_or_else(|_| {
                             Err(ModelError::Collective { op: "step", rank: 0, message: "rank 0 panicked".into() })
                         })

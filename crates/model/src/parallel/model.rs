@@ -195,6 +195,26 @@ impl<B: Backend> ShardedDeepseekV3<B> {
         comm: &impl Communicator<B>,
         device: &B::Device,
     ) -> Result<Tensor<B, 2>> {
+        self.forward_batch_fed(batch, cache, rows, comm, device, None)
+    }
+
+    /// [`Self::forward_batch`] whose embedding reads the step's token ids from `fed` (`[N]` int on the device, the
+    /// batch's tokens in order, e.g. the previous step's [`crate::cuda_ops::PendingIds::ids`]) instead of
+    /// uploading the entries' tokens: the host can queue this step before it has read the previous step's picks.
+    /// The entries' token counts still place the rows (their values are checked but not embedded). `None` is
+    /// [`Self::forward_batch`].
+    ///
+    /// # Errors
+    /// As [`Self::forward_batch`], and `fed` not holding one id per token of the batch.
+    pub fn forward_batch_fed(
+        &self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        comm: &impl Communicator<B>,
+        device: &B::Device,
+        fed: Option<&Tensor<B, 1, Int>>,
+    ) -> Result<Tensor<B, 2>> {
         self.check_comm(comm)?;
         if batch.is_empty() || batch.iter().any(|e| e.tokens.is_empty()) {
             return Err(ModelError::Input { message: "a batched step needs at least one token per sequence".into() });
@@ -206,14 +226,26 @@ impl<B: Backend> ShardedDeepseekV3<B> {
                 message: format!("token id {bad} is outside the vocabulary (size {vocab})"),
             });
         }
-        cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
         let n = flat.len();
+        if let Some(f) = fed
+            && f.dims() != [n]
+        {
+            return Err(ModelError::Input {
+                message: format!("fed token ids: shape {:?}, the batch has {n} tokens", f.dims()),
+            });
+        }
+        cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
         let spans = batch_spans(batch);
         let tables = batch_rope_tables(&self.rope, &spans, device);
-        let ids: Vec<i64> = flat.iter().map(|&t| i64::from(t)).collect();
+        let ids = match fed {
+            Some(f) => f.clone(),
+            None => {
+                let ids: Vec<i64> = flat.iter().map(|&t| i64::from(t)).collect();
+                Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [n]), device)
+            }
+        };
         // [N, d]
-        let mut x =
-            self.embed_tokens.clone().select(0, Tensor::<B, 1, Int>::from_data(TensorData::new(ids, [n]), device));
+        let mut x = self.embed_tokens.clone().select(0, ids);
         // The residual stream travels as the two terms `x + ffn` of the previous layer (see `layer_step`).
         let mut ffn = None;
         for (i, layer) in self.layers.iter().enumerate() {

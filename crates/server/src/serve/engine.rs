@@ -18,7 +18,17 @@
 //!   [`SpecDecoder::prefill_chunks`]; a step may emit several tokens per sequence, each checked for stop conditions
 //!   in order (tokens past a stop are dropped), and a preempted sequence resumes by recomputing prompt and output;
 //! - with `--tp-size` / `--ep-size` the model is a [`ParallelGroup`]: this thread is rank 0 and owns the page
-//!   tables; the other ranks run in the group's threads on their own devices and mirror every step's pages.
+//!   tables; the other ranks run in the group's threads on their own devices and mirror every step's pages;
+//! - overlap scheduling (SGLang's overlap scheduler, vLLM's async scheduling; off with
+//!   `--disable-overlap-schedule`): a step whose rows are all greedy decode rows (no penalties, no logprobs; on CUDA
+//!   with the device picks on) leaves its picks on the device ([`PendingPicks`]); before the host reads them, the
+//!   next step of the same rows is queued with those picks embedded on the device
+//!   ([`DeepseekV3::forward_batch_fed`]), so the device runs step `t + 1` while the host streams step `t`'s tokens.
+//!   Only when every running sequence is such a row, in the same order, none ends by length at the pick in flight,
+//!   and the blocks are free; otherwise the picks are read first and the step is planned as usual. A sequence that a
+//!   stop token or a cancellation ends meanwhile drops its pick of the step already queued (the cache row that
+//!   step writes is the stop token's own and lies in pages freed in stream order), so outputs are those of the
+//!   plain schedule; one rank only (the group's workers take their tokens from the host).
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -32,7 +42,7 @@ use eyrie_model::DeepseekV3;
 use eyrie_model::deepseek_v3::{BatchEntry, LogitRows};
 use eyrie_model::kv_cache::{PagedMlaCache, SequenceCache};
 use eyrie_model::parallel::ParallelGroup;
-use eyrie_model::sampling::{Sampler, SamplingParams, log_softmax, top_n};
+use eyrie_model::sampling::{PendingPicks, Sampler, SamplingParams, log_softmax, pending_argmax, top_n};
 use eyrie_spec_decode::{Eagle3Drafter, Eagle3State, SpecDecoder, SpecSequence};
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -66,6 +76,9 @@ pub struct EngineConfig {
     pub chunked_prefill: usize,
     /// Longest prompt + completion of one sequence.
     pub context_length: usize,
+    /// Overlap scheduling (module docs): a step of greedy decode rows is queued before the previous step's picks
+    /// are read, fed with them on the device.
+    pub overlap: bool,
 }
 
 /// What one request asks of the engine.
@@ -139,8 +152,18 @@ type Plan = Vec<(usize, usize)>;
 /// The drafter-backed decoder of speculative mode.
 pub type Speculator<B> = SpecDecoder<Eagle3Drafter<B>>;
 
+/// A plain step of greedy decode rows queued on the device whose picks the host has not read yet (overlap
+/// scheduling, see the module docs).
+struct InFlight<B: Backend> {
+    /// The sequences of its rows, in row order ([`Seq::id`]).
+    rows: Vec<u64>,
+    picks: PendingPicks<B>,
+}
+
 /// One admitted or queued sequence.
 struct Seq<B: Backend> {
+    /// Unique while the engine runs (rows of a step in flight name their sequences by it).
+    id: u64,
     /// Prompt then generated tokens (while a speculative sequence runs, its `spec.tokens` are current instead).
     tokens: Vec<u32>,
     prompt_len: usize,
@@ -218,9 +241,30 @@ impl<B: Backend> Target<B> {
         rows: LogitRows,
         device: &B::Device,
     ) -> eyrie_model::error::Result<burn::tensor::Tensor<B, 2>> {
+        self.forward_batch_fed(batch, cache, rows, device, None)
+    }
+
+    /// [`Self::forward_batch`] embedding `fed`'s ids instead of the entries' tokens when given.
+    fn forward_batch_fed(
+        &mut self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        device: &B::Device,
+        fed: Option<&burn::tensor::Tensor<B, 1, burn::tensor::Int>>,
+    ) -> eyrie_model::error::Result<burn::tensor::Tensor<B, 2>> {
         match self {
-            Target::Single(m) => m.forward_batch(batch, cache, rows, device),
-            Target::Parallel(g) => g.forward_batch(batch, cache, rows, device),
+            Target::Single(m) => m.forward_batch_fed(batch, cache, rows, device, fed),
+            Target::Parallel(g) => g.forward_batch_fed(batch, cache, rows, device, fed),
+        }
+    }
+
+    /// Whether token ids can be fed from the device to the next step ([`Self::forward_batch_fed`]): one model, or
+    /// a group of one rank.
+    fn can_feed(&self) -> bool {
+        match self {
+            Target::Single(_) => true,
+            Target::Parallel(g) => g.spec().world() == 1,
         }
     }
 }
@@ -258,6 +302,9 @@ pub struct Engine<B: Backend> {
     running: Vec<Seq<B>>,
     metrics: Arc<Metrics>,
     spec: Option<Speculator<B>>,
+    /// The step whose picks are still on the device (overlap scheduling).
+    inflight: Option<InFlight<B>>,
+    next_id: u64,
 }
 
 impl<B: Backend> Engine<B> {
@@ -277,7 +324,7 @@ impl<B: Backend> Engine<B> {
         }
         let cache = PagedMlaCache::<B>::new(target.config(), blocks, config.block_size, &device)?;
         let (waiting, running) = (VecDeque::new(), Vec::new());
-        Ok(Self { target, cache, device, config, eos, waiting, running, metrics, spec })
+        Ok(Self { target, cache, device, config, eos, waiting, running, metrics, spec, inflight: None, next_id: 0 })
     }
 
     /// Tokens a decode row of one sequence adds to the cache in one step (the verified drafts plus the root).
@@ -294,7 +341,7 @@ impl<B: Backend> Engine<B> {
         self.publish();
         let mut shutdown: Option<Instant> = None;
         loop {
-            let idle = self.waiting.is_empty() && self.running.is_empty();
+            let idle = self.waiting.is_empty() && self.running.is_empty() && self.inflight.is_none();
             if idle && shutdown.is_some() {
                 break;
             }
@@ -326,10 +373,13 @@ impl<B: Backend> Engine<B> {
             }
             self.reap_cancelled();
             self.admit();
-            if !self.running.is_empty() {
+            if !self.running.is_empty() || self.inflight.is_some() {
                 self.step();
             }
             self.publish();
+        }
+        if let Some(fl) = self.inflight.take() {
+            let _ = fl.picks.wait();
         }
         self.publish();
     }
@@ -342,7 +392,9 @@ impl<B: Backend> Engine<B> {
                 return;
             }
         };
+        self.next_id += 1;
         self.waiting.push_back(Seq {
+            id: self.next_id,
             prompt_len: s.prompt.len(),
             tokens: s.prompt,
             cache: None,
@@ -533,7 +585,49 @@ impl<B: Backend> Engine<B> {
         out
     }
 
+    /// Whether `seq`'s picks can be greedy ones made where the logits are: greedy, no penalties, no logprobs.
+    fn greedy(seq: &Seq<B>) -> bool {
+        let p = seq.sampler.params();
+        p.is_greedy() && !p.has_penalties() && seq.params.logprobs.is_none()
+    }
+
+    /// Whether a step's greedy picks may stay on the device for the next step (overlap scheduling): asked for, one
+    /// rank (or one model), and on CUDA the device picks switched on (they passed the warm-up's self-check).
+    fn overlap_allowed(&self) -> bool {
+        self.config.overlap
+            && self.spec.is_none()
+            && self.target.can_feed()
+            && (!eyrie_model::device::is_cuda_backend::<B>() || eyrie_model::sampling::device_argmax_enabled())
+    }
+
+    /// With a step in flight: queues the next one behind it, fed with its picks on the device, when that step would
+    /// be the same rows (every running sequence, in the same order, each decoding greedily and not at its last
+    /// token, with the blocks free); then reads the in-flight picks. Otherwise reads them and runs a plain step.
     fn step(&mut self) {
+        if let Some(fl) = self.inflight.take() {
+            let next = self.follow(&fl);
+            self.land(fl);
+            match next {
+                Some(Ok(next)) => {
+                    self.inflight = Some(next);
+                    return;
+                }
+                Some(Err((rows, why))) => {
+                    let plan: Vec<(usize, usize)> = self
+                        .running
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| rows.contains(&s.id))
+                        .map(|(i, _)| (i, 1))
+                        .collect();
+                    return self.fail_step(&plan, &why);
+                }
+                None => {}
+            }
+            if self.running.is_empty() {
+                return;
+            }
+        }
         let plan = self.plan();
         if plan.is_empty() {
             return;
@@ -545,12 +639,22 @@ impl<B: Backend> Engine<B> {
         // Every row greedy, without penalties or logprobs: the picks can be made where the logits are (a launch and
         // one id a row read back instead of the rows; `EYRIE_DEVICE_ARGMAX=1`, off by default until checked on a
         // GPU).
-        let device_greedy = eyrie_model::sampling::device_argmax_enabled()
-            && plan.iter().all(|&(i, _)| {
-                let seq = &self.running[i];
-                let p = seq.sampler.params();
-                p.is_greedy() && !p.has_penalties() && seq.params.logprobs.is_none()
-            });
+        let all_greedy = plan.iter().all(|&(i, _)| Self::greedy(&self.running[i]));
+        let device_greedy = eyrie_model::sampling::device_argmax_enabled() && all_greedy;
+        // Every row a decode row (its one token the last of its sequence): the picks can stay on the device, read at
+        // the next step, which may be queued fed with them first.
+        let overlap = all_greedy
+            && self.overlap_allowed()
+            && plan.iter().all(|&(i, n)| n == 1 && self.running[i].computed() + 1 == self.running[i].total());
+        if overlap {
+            let rows: Vec<u64> = plan.iter().map(|&(i, _)| self.running[i].id).collect();
+            match self.queue(&plan, None) {
+                Ok(picks) => self.inflight = Some(InFlight { rows, picks }),
+                Err(why) => self.fail_step(&plan, &why),
+            }
+            Metrics::add(&self.metrics.steps, 1);
+            return;
+        }
         let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<StepLogits> {
             let mut caches: Vec<SequenceCache> =
                 plan.iter().map(|&(i, _)| self.running[i].cache.take().unwrap_or_default()).collect();
@@ -598,32 +702,149 @@ impl<B: Backend> Engine<B> {
         let now = Instant::now();
         let mut finished = Vec::new();
         for (row, &(i, _)) in plan.iter().enumerate() {
-            let seq = &mut self.running[i];
             let Some((id, logprobs)) = picks[row].take() else {
                 continue; // mid-prefill
             };
-            if seq.generated() == 0 {
-                // The prompt is in the cache: offer its full blocks to later prompts now.
-                if let Some(c) = &seq.cache {
-                    self.cache.register_prefix(c, &seq.tokens);
-                }
-            }
-            match seq.last_token {
-                None => self.metrics.observe_ttft(now.duration_since(seq.arrived).as_secs_f64()),
-                Some(t) => self.metrics.observe_itl(now.duration_since(t).as_secs_f64()),
-            }
-            seq.last_token = Some(now);
-            seq.tokens.push(id);
-            seq.emitted += 1;
-            Metrics::add(&self.metrics.generation_tokens, 1);
-            let _ = seq.events.send(Event::Token { id, logprobs });
-            let stop = (!seq.params.ignore_eos && self.eos.contains(&id)) || seq.params.stop_token_ids.contains(&id);
-            if stop {
-                finished.push((i, FinishReason::Stop));
-            } else if seq.generated() >= seq.params.max_tokens || seq.tokens.len() >= self.config.context_length {
-                finished.push((i, FinishReason::Length));
+            if let Some(reason) = self.accept(i, id, logprobs, now) {
+                finished.push((i, reason));
             }
         }
+        for &(i, reason) in finished.iter().rev() {
+            let seq = self.running.remove(i);
+            finish(&mut self.cache, &mut self.spec, &self.metrics, seq, reason);
+        }
+    }
+
+    /// Running sequence `i`'s next token: streamed, appended, checked for the stop conditions (returned when one
+    /// holds; the caller ends the sequence).
+    fn accept(&mut self, i: usize, id: u32, logprobs: Option<TokenLogprobs>, now: Instant) -> Option<FinishReason> {
+        let seq = &mut self.running[i];
+        if seq.generated() == 0 {
+            // The prompt is in the cache: offer its full blocks to later prompts now.
+            if let Some(c) = &seq.cache {
+                self.cache.register_prefix(c, &seq.tokens);
+            }
+        }
+        match seq.last_token {
+            None => self.metrics.observe_ttft(now.duration_since(seq.arrived).as_secs_f64()),
+            Some(t) => self.metrics.observe_itl(now.duration_since(t).as_secs_f64()),
+        }
+        seq.last_token = Some(now);
+        seq.tokens.push(id);
+        seq.emitted += 1;
+        Metrics::add(&self.metrics.generation_tokens, 1);
+        let _ = seq.events.send(Event::Token { id, logprobs });
+        let stop = (!seq.params.ignore_eos && self.eos.contains(&id)) || seq.params.stop_token_ids.contains(&id);
+        if stop {
+            Some(FinishReason::Stop)
+        } else if seq.generated() >= seq.params.max_tokens || seq.tokens.len() >= self.config.context_length {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+
+    /// Runs `plan` (decode rows of one token each) with its greedy picks left on the device: the tokens embedded
+    /// are `fed`'s ids when given (the previous step's picks, not yet on the host: each row's entry then carries
+    /// its last host token as a placeholder), else the rows' last tokens.
+    fn queue(&mut self, plan: &[(usize, usize)], fed: Option<&PendingPicks<B>>) -> Result<PendingPicks<B>, String> {
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> anyhow::Result<PendingPicks<B>> {
+            let mut caches: Vec<SequenceCache> =
+                plan.iter().map(|&(i, _)| self.running[i].cache.take().unwrap_or_default()).collect();
+            let result = {
+                let mut batch: Vec<BatchEntry<'_>> = plan
+                    .iter()
+                    .zip(caches.iter_mut())
+                    .map(|(&(i, _), seq)| {
+                        let tokens = &self.running[i].tokens;
+                        BatchEntry { tokens: &tokens[tokens.len().saturating_sub(1)..], seq }
+                    })
+                    .collect();
+                let ids = fed.map(|f| &f.ids);
+                self.target.forward_batch_fed(&mut batch, &mut self.cache, LogitRows::Last, &self.device, ids)
+            };
+            for (&(i, _), c) in plan.iter().zip(caches) {
+                self.running[i].cache = Some(c);
+            }
+            pending_argmax(&result?).map_err(|e| anyhow::anyhow!("greedy picks on the device: {e}"))
+        }));
+        match outcome {
+            Ok(Ok(picks)) => Ok(picks),
+            Ok(Err(e)) => Err(format!("{e:#}")),
+            Err(panic) => Err(format!("panic: {}", panic_message(&*panic))),
+        }
+    }
+
+    /// The step to queue behind `fl` before its picks are read (see [`Self::step`]): `None` when the next step
+    /// would not be the same rows; `Some(Err((rows, why)))` when queueing failed (those rows' requests fail).
+    #[allow(clippy::type_complexity)]
+    fn follow(&mut self, fl: &InFlight<B>) -> Option<Result<InFlight<B>, (Vec<u64>, String)>> {
+        if !self.overlap_allowed() || self.running.len() != fl.rows.len() {
+            return None;
+        }
+        let (max_ctx, bs) = (self.config.context_length, self.config.block_size);
+        let same = self.running.iter().zip(&fl.rows).all(|(seq, &id)| {
+            // Its in-flight token is its last (the cache holds every token), and the pick coming back will not end
+            // it by length (so the step queued now is not wasted on it; a stop token can still end it).
+            seq.id == id
+                && !seq.cancelled()
+                && Self::greedy(seq)
+                && seq.computed() == seq.total()
+                && seq.generated() + 1 < seq.params.max_tokens
+                && seq.tokens.len() + 1 < max_ctx
+        });
+        if !same {
+            return None;
+        }
+        let need: usize =
+            self.running.iter().map(|seq| (seq.computed() + 1).div_ceil(bs).saturating_sub(seq.blocks())).sum();
+        if need > self.cache.free_blocks() {
+            return None;
+        }
+        let plan: Vec<(usize, usize)> = (0..self.running.len()).map(|i| (i, 1)).collect();
+        Metrics::add(&self.metrics.steps, 1);
+        Metrics::add(&self.metrics.overlapped_steps, 1);
+        Some(
+            self.queue(&plan, Some(&fl.picks))
+                .map(|picks| InFlight { rows: fl.rows.clone(), picks })
+                .map_err(|why| (fl.rows.clone(), why)),
+        )
+    }
+
+    /// Reads an in-flight step's picks and hands each to its sequence, if it still runs (a sequence cancelled or
+    /// ended meanwhile drops its pick); a failed step fails the requests of its rows that still run.
+    fn land(&mut self, fl: InFlight<B>) {
+        let picked = fl.picks.wait().and_then(|ids| {
+            if ids.len() == fl.rows.len() {
+                Ok(ids)
+            } else {
+                Err(format!("{} greedy picks for {} rows", ids.len(), fl.rows.len()))
+            }
+        });
+        let ids = match picked {
+            Ok(ids) => ids,
+            Err(why) => {
+                let plan: Vec<(usize, usize)> = self
+                    .running
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| fl.rows.contains(&s.id))
+                    .map(|(i, _)| (i, 1))
+                    .collect();
+                return self.fail_step(&plan, &why);
+            }
+        };
+        let now = Instant::now();
+        let mut finished = Vec::new();
+        for (seq_id, id) in fl.rows.iter().zip(ids) {
+            let Some(i) = self.running.iter().position(|s| s.id == *seq_id) else {
+                continue;
+            };
+            if let Some(reason) = self.accept(i, id, None, now) {
+                finished.push((i, reason));
+            }
+        }
+        finished.sort_unstable_by_key(|&(i, _)| i);
         for &(i, reason) in finished.iter().rev() {
             let seq = self.running.remove(i);
             finish(&mut self.cache, &mut self.spec, &self.metrics, seq, reason);

@@ -71,6 +71,8 @@ pub struct Metrics {
     pub prefix_cache_hit_tokens: AtomicU64,
     pub preemptions: AtomicU64,
     pub steps: AtomicU64,
+    /// Steps queued before the previous step's picks were read (overlap scheduling).
+    pub overlapped_steps: AtomicU64,
     ttft: Mutex<Histogram>,
     itl: Mutex<Histogram>,
     gauges: Mutex<EngineGauges>,
@@ -90,6 +92,7 @@ impl Default for Metrics {
             prefix_cache_hit_tokens: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
             steps: AtomicU64::new(0),
+            overlapped_steps: AtomicU64::new(0),
             ttft: Mutex::new(Histogram::new(TTFT_BUCKETS)),
             itl: Mutex::new(Histogram::new(ITL_BUCKETS)),
             gauges: Mutex::new(EngineGauges::default()),
@@ -167,6 +170,11 @@ impl Metrics {
                 &self.preemptions,
             ),
             ("eyrie:engine_steps_total", "Batched forward steps.", &self.steps),
+            (
+                "eyrie:overlapped_steps_total",
+                "Steps queued on the device before the previous step's greedy picks were read (overlap scheduling).",
+                &self.overlapped_steps,
+            ),
         ] {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", get(c));
         }

@@ -79,6 +79,11 @@ pub struct ServeArgs {
     /// Expert-parallel ways: routed experts split over this many devices (the group has max(tp, ep) ranks).
     #[arg(long, default_value_t = 1)]
     pub ep_size: usize,
+    /// Run every step to its end before the next is queued (SGLang's flag). By default a step of greedy decode rows
+    /// (no penalties, no logprobs) feeds its picks to the next step on the device and the next step is queued
+    /// before the host reads them, so the device does not wait for the host between steps; outputs are the same.
+    #[arg(long)]
+    pub disable_overlap_schedule: bool,
     /// EAGLE-3 speculative decoding for every request (SGLang's flags).
     #[command(flatten)]
     pub speculative: crate::spec::SpeculativeArgs,
@@ -209,6 +214,7 @@ fn launch<B: ParallelBackend>(dir: &Path, name: &str, args: &ServeArgs, device: 
         block_size: args.page_size,
         chunked_prefill: args.chunked_prefill_size,
         context_length,
+        overlap: !args.disable_overlap_schedule,
     };
     let (loaded_tx, loaded) = mpsc::channel();
     let dir = dir.to_path_buf();

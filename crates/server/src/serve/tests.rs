@@ -163,6 +163,61 @@ async fn greedy_completion_equals_the_model_and_reports_usage() {
     wait_idle(&s.state).await;
 }
 
+/// Overlap scheduling (a greedy step queued before the previous step's picks are read, fed with them on the
+/// device) gives exactly the plain schedule's tokens: concurrent greedy requests of different lengths, a stop token
+/// that ends a sequence while its next step is already queued, a sampled request beside them (its steps are not
+/// overlapped), every block freed; the plain server (`--disable-overlap-schedule`) overlaps nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlap_scheduling_gives_the_plain_schedules_tokens() {
+    let model = DeepseekV3::<Flex>::load(tiny::materialize().unwrap(), &Default::default()).unwrap();
+    let prompts: Vec<Vec<u32>> =
+        (0..5u32).map(|i| (0..(4 + 3 * i)).map(|j| (i * 131 + j * 29) % 1000).collect()).collect();
+    let lengths = [1usize, 2, 7, 12, 12];
+    let wants: Vec<Vec<u32>> =
+        prompts.iter().zip(lengths).map(|(p, n)| model.generate_greedy(p, n, &Default::default()).unwrap()).collect();
+    // The last prompt stops at the 6th token of its greedy continuation (first occurrence).
+    let stop = wants[4][5];
+    let cut = wants[4].iter().position(|&t| t == stop).unwrap() + 1;
+    let mut outputs = Vec::new();
+    for flags in [&[][..], &["--disable-overlap-schedule"][..]] {
+        let s = start(flags);
+        let mut tasks = Vec::new();
+        for (i, (p, n)) in prompts.iter().zip(lengths).enumerate() {
+            let state = s.state.clone();
+            let mut body = json!({"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": true});
+            if i == 4 {
+                body["stop_token_ids"] = json!([stop]);
+            }
+            tasks.push(tokio::spawn(async move { post(&state, "/v1/completions", body).await }));
+        }
+        let state = s.state.clone();
+        let sampled = json!({"prompt": prompts[0], "max_tokens": 9, "temperature": 0.8, "seed": 7, "ignore_eos": true});
+        let sampled = tokio::spawn(async move { post(&state, "/v1/completions", sampled).await });
+        let mut texts = Vec::new();
+        for t in tasks {
+            let (status, body) = t.await.unwrap();
+            assert_eq!(status, StatusCode::OK, "{body}");
+            texts.push(body["choices"][0]["text"].as_str().unwrap().to_string());
+        }
+        let (status, body) = sampled.await.unwrap();
+        assert_eq!(status, StatusCode::OK, "{body}");
+        texts.push(body["choices"][0]["text"].as_str().unwrap().to_string());
+        for (i, want) in wants.iter().enumerate() {
+            let want = if i == 4 { &want[..cut] } else { &want[..] };
+            assert_eq!(texts[i], s.state.tokenizer.decode(want, true).unwrap(), "prompt {i}, flags {flags:?}");
+        }
+        wait_idle(&s.state).await;
+        let overlapped = s.state.metrics.overlapped_steps.load(std::sync::atomic::Ordering::Relaxed);
+        if flags.is_empty() {
+            assert!(overlapped > 0, "the default schedule overlapped no step");
+        } else {
+            assert_eq!(overlapped, 0, "--disable-overlap-schedule overlapped {overlapped} steps");
+        }
+        outputs.push(texts);
+    }
+    assert_eq!(outputs[0], outputs[1], "overlapped and plain schedules differ");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_streaming_equals_non_streaming_with_usage_and_done() {
     let s = start(&[]);
