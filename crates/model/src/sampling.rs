@@ -384,6 +384,23 @@ pub fn pending_argmax<B: burn::tensor::backend::Backend>(
     })
 }
 
+/// [`pending_argmax`]'s ids alone, nothing queued for the host: the picks a tensor-parallel worker keeps on its
+/// device for its next step of an overlapped greedy chain (its logits, hence its picks, are rank 0's).
+///
+/// # Errors
+/// The launcher's message.
+pub fn argmax_ids<B: burn::tensor::backend::Backend>(
+    logits: &burn::tensor::Tensor<B, 2>,
+) -> std::result::Result<burn::tensor::Tensor<B, 1, burn::tensor::Int>, String> {
+    #[cfg(feature = "cuda")]
+    if let Some(ids) = crate::cuda_ops::argmax_rows_ids(logits) {
+        return ids;
+    }
+    let [rows, _] = logits.dims();
+    let clean = logits.clone().mask_fill(logits.clone().is_nan(), f32::NEG_INFINITY);
+    Ok(clean.argmax(1).reshape([rows]))
+}
+
 /// `log_softmax(logits)` in f64 precision, returned as f32 (NaN logits get `-inf`): the log-probabilities the
 /// OpenAI API reports (of the model's raw distribution, before penalties and filtering, as vLLM's default).
 pub fn log_softmax(logits: &[f32]) -> Vec<f32> {

@@ -484,8 +484,10 @@ type FedStep<'a> = dyn FnMut(
 
 /// A greedy chain whose steps embed the previous step's picks on the device (`forward_batch_fed` with
 /// `sampling::pending_argmax`'s ids, the overlap schedule of the server and `bench_decode --overlap`) gives the same
-/// logits as the host-fed chain, on the unsharded model and on a one-rank group; the picks are the host's
-/// `argmax`; a multi-rank group and ids of the wrong length are input errors that change nothing.
+/// logits as the host-fed chain, on the unsharded model, a one-rank group and (`forward_batch_chained`, each worker
+/// feeding its own picks) groups of 2 and 4 ranks; the picks are the host's `argmax`; fed ids of the wrong length,
+/// fed ids to a multi-rank group's plain step, and a chained step with no picks kept are input errors that change
+/// nothing.
 #[test]
 fn device_fed_greedy_steps_equal_host_fed_steps() {
     let device = Default::default();
@@ -528,20 +530,40 @@ fn device_fed_greedy_steps_equal_host_fed_steps() {
     let unsharded = chain(&mut |b, c, f| full.forward_batch_fed(b, c, LogitRows::Last, &device, f));
     let (mut group, gdev) = ParallelGroup::<Flex>::load(&dir, 1, 1, &device, 16, 4).unwrap();
     let grouped = chain(&mut |b, c, f| group.forward_batch_fed(b, c, LogitRows::Last, &gdev, f));
-    for (name, got) in [("unsharded", &unsharded), ("one-rank group", &grouped)] {
+    // Two and four ranks: every worker embeds the picks it kept itself (`forward_batch_chained`).
+    let (mut tp2, dev2) = ParallelGroup::<Flex>::load(&dir, 2, 1, &device, 16, 4).unwrap();
+    let chained_tp2 = chain(&mut |b, c, f| tp2.forward_batch_chained(b, c, LogitRows::Last, &dev2, f));
+    let (mut tp2ep2, dev4) = ParallelGroup::<Flex>::load(&dir, 2, 2, &device, 16, 4).unwrap();
+    let chained_tp2ep2 = chain(&mut |b, c, f| tp2ep2.forward_batch_chained(b, c, LogitRows::Last, &dev4, f));
+    for (name, got) in [
+        ("unsharded", &unsharded),
+        ("one-rank group", &grouped),
+        ("tp 2, chained", &chained_tp2),
+        ("tp 2 x ep 2, chained", &chained_tp2ep2),
+    ] {
         for (step, (g, w)) in got.iter().zip(&want).enumerate() {
             let err = scaled_error(g, w);
             assert!(err <= TOLERANCE, "{name} step {step}: device-fed logits error {err:e}");
         }
     }
-    let (mut group, gdev) = ParallelGroup::<Flex>::load(&dir, 2, 1, &device, 16, 4).unwrap();
-    let mut cache = PagedMlaCache::new(group.config(), 16, 4, &gdev).unwrap();
+    // More ranks than one: fed ids need the chained step, and a chained step needs the workers' picks of the
+    // previous one; both refused before any rank starts, and the group keeps working.
+    let mut cache = PagedMlaCache::new(tp2.config(), 16, 4, &dev2).unwrap();
     let mut seq = SequenceCache::default();
-    let ids = Tensor::<Flex, 1, burn::tensor::Int>::from_data(TensorData::new(vec![3i64], [1]), &gdev);
+    let ids = Tensor::<Flex, 1, burn::tensor::Int>::from_data(TensorData::new(vec![3i64], [1]), &dev2);
     let mut batch = [BatchEntry { seq: &mut seq, tokens: &[3] }];
-    match group.forward_batch_fed(&mut batch, &mut cache, LogitRows::Last, &gdev, Some(&ids)) {
+    match tp2.forward_batch_fed(&mut batch, &mut cache, LogitRows::Last, &dev2, Some(&ids)) {
         Err(ModelError::Input { message }) => assert!(message.contains("one-rank"), "{message}"),
         other => panic!("a two-rank group took fed ids: {:?}", other.map(|t| t.dims())),
     }
-    assert_eq!(seq.len, 0);
+    let mut batch = [BatchEntry { seq: &mut seq, tokens: &[3] }];
+    tp2.forward_batch(&mut batch, &mut cache, LogitRows::Last, &dev2).unwrap();
+    let mut batch = [BatchEntry { seq: &mut seq, tokens: &[3] }];
+    match tp2.forward_batch_chained(&mut batch, &mut cache, LogitRows::Last, &dev2, Some(&ids)) {
+        Err(ModelError::Input { message }) => assert!(message.contains("no picks"), "{message}"),
+        other => panic!("a chained step after a plain one: {:?}", other.map(|t| t.dims())),
+    }
+    assert_eq!(seq.len, 1);
+    let mut batch = [BatchEntry { seq: &mut seq, tokens: &[3] }];
+    tp2.forward_batch(&mut batch, &mut cache, LogitRows::Last, &dev2).unwrap();
 }

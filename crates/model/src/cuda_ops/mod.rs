@@ -202,16 +202,11 @@ fn lasting_client(
 /// # Errors
 /// The launcher's message.
 pub fn argmax_rows_pending<B: Backend>(logits: &Tensor<B, 2>) -> Option<Result<PendingIds<B>, String>> {
-    let [rows, vocab] = logits.dims();
-    if !is_cuda::<B>() || logits.dtype() != burn::tensor::DType::F32 || rows == 0 || !vocab.is_multiple_of(4) {
-        return None;
-    }
-    let lc = float(logits.clone())?;
+    let (lc, out, rows) = match argmax_launch(logits)? {
+        Ok(v) => v,
+        Err(e) => return Some(Err(e)),
+    };
     let client = lc.client.clone();
-    let out = client.empty(rows * 4);
-    if let Err(e) = eyrie_quant::cuda::sampling::argmax_rows(&client, &lc.handle, rows, vocab, &out) {
-        return Some(Err(e));
-    }
     // The readback is queued now (the client submits the copy and its fence to the device thread at once); only its
     // wait is deferred. The future borrows the client it came from, hence the device's lasting one.
     let read = lasting_client(&client, &lc.device).read_async(vec![out.clone()]);
@@ -220,17 +215,50 @@ pub fn argmax_rows_pending<B: Backend>(logits: &Tensor<B, 2>) -> Option<Result<P
         let bytes = bytes.first().ok_or("argmax readback: no buffer came back")?;
         Ok(bytes.chunks_exact(4).take(rows).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
     });
-    // The kernel's ids are below 2^31 (its sentinel becomes 0), so their bits are the same i32 values.
+    let ids = ids_tensor::<B>(&lc, out, rows)?;
+    Some(Ok(PendingIds { ids, read }))
+}
+
+/// [`argmax_rows`]' picks left on the device as an int tensor `[rows]`, nothing read back (a tensor-parallel
+/// worker's copy of the picks, for its next step to embed). `None` where [`argmax_rows`] is `None`.
+///
+/// # Errors
+/// The launcher's message.
+pub fn argmax_rows_ids<B: Backend>(logits: &Tensor<B, 2>) -> Option<Result<Tensor<B, 1, Int>, String>> {
+    match argmax_launch(logits)? {
+        Ok((lc, out, rows)) => ids_tensor::<B>(&lc, out, rows).map(Ok),
+        Err(e) => Some(Err(e)),
+    }
+}
+
+/// Launches the argmax of every row of `logits` into a new `[rows]` u32 buffer: `(the logits' buffer, the ids'
+/// buffer, rows)`; `None` where [`argmax_rows`] is `None`.
+fn argmax_launch<B: Backend>(logits: &Tensor<B, 2>) -> Option<Result<(Cube, cubecl::server::Handle, usize), String>> {
+    let [rows, vocab] = logits.dims();
+    if !is_cuda::<B>() || logits.dtype() != burn::tensor::DType::F32 || rows == 0 || !vocab.is_multiple_of(4) {
+        return None;
+    }
+    let lc = float(logits.clone())?;
+    let out = lc.client.empty(rows * 4);
+    if let Err(e) = eyrie_quant::cuda::sampling::argmax_rows(&lc.client, &lc.handle, rows, vocab, &out) {
+        return Some(Err(e));
+    }
+    Some(Ok((lc, out, rows)))
+}
+
+/// The argmax kernel's `[rows]` u32 ids as an int tensor of `B` on the logits' device: the ids are below 2^31 (the
+/// kernel's sentinel becomes 0), so their bits are the same i32 values.
+fn ids_tensor<B: Backend>(like: &Cube, out: cubecl::server::Handle, rows: usize) -> Option<Tensor<B, 1, Int>> {
     let ids = burn_cubecl::tensor::CubeTensor::new_contiguous(
-        client,
-        lc.device.clone(),
+        like.client.clone(),
+        like.device.clone(),
         burn::tensor::Shape::new([rows]),
         out,
         burn::tensor::DType::I32,
     );
     let boxed: Box<dyn Any> = Box::new(ids);
     let prim = boxed.downcast::<B::IntTensorPrimitive>().ok()?;
-    Some(Ok(PendingIds { ids: Tensor::from_primitive(*prim), read }))
+    Some(Tensor::from_primitive(*prim))
 }
 
 /// The argmax of each row of `logits` `[rows, vocab]` on the device (eyrie-quant's `cuda::sampling::argmax_rows`,

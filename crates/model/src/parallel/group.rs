@@ -102,8 +102,10 @@ impl ParallelBackend for burn::backend::Cuda {
 
 /// What a worker is asked to do.
 enum Job {
-    /// A step as the workers get it: rank 0's page tables after reservation, and the new tokens.
-    Step { entries: Vec<(SequenceCache, Vec<u32>)>, rows: LogitRows },
+    /// A step as the workers get it: rank 0's page tables after reservation, and the new tokens; `fed`: embed the
+    /// picks the worker kept from its previous step instead of the tokens; `keep`: keep this step's picks (the
+    /// argmax of its logits) on the worker's device (see [`ParallelGroup::forward_batch_chained`]).
+    Step { entries: Vec<(SequenceCache, Vec<u32>)>, rows: LogitRows, fed: bool, keep: bool },
     /// Every attention launch shape once over the rank's cache ([`ParallelGroup::warm_up_attention`]).
     WarmUpAttention,
 }
@@ -134,6 +136,9 @@ pub struct ParallelGroup<B: Backend> {
     workers: Vec<Worker>,
     /// The first failure; the group refuses every step after it.
     broken: Option<String>,
+    /// Rows of the picks every worker kept from the last step ([`Self::forward_batch_chained`]); `None` after any
+    /// other step.
+    kept: Option<usize>,
 }
 
 impl<B: Backend> std::fmt::Debug for ParallelGroup<B> {
@@ -232,7 +237,7 @@ impl<B: ParallelBackend> ParallelGroup<B> {
             })
             .collect::<Result<Vec<_>>>()?;
         let shard = source.shard(spec0, &device0);
-        let mut group = Self { shard: shard?, comm: Some(comm0), workers, broken: None };
+        let mut group = Self { shard: shard?, comm: Some(comm0), workers, broken: None, kept: None };
         // Every worker reports its load.
         for w in &mut group.workers {
             let outcome = w.done.recv().unwrap_or_else(|_| Err(worker_gone(w.rank)));
@@ -277,8 +282,8 @@ impl<B: Backend> ParallelGroup<B> {
     }
 
     /// [`Self::forward_batch`] embedding the token ids `fed` holds on rank 0's device (see
-    /// [`ShardedDeepseekV3::forward_batch_fed`]): a one-rank group only for now (the workers get their tokens from the
-    /// host).
+    /// [`ShardedDeepseekV3::forward_batch_fed`]): a one-rank group only (the workers get their tokens from the host;
+    /// a greedy chain over more ranks is [`Self::forward_batch_chained`]).
     ///
     /// # Errors
     /// As [`Self::forward_batch`]; `fed` given to a group of more than one rank, or of the wrong length.
@@ -293,11 +298,56 @@ impl<B: Backend> ParallelGroup<B> {
         if fed.is_some() && !self.workers.is_empty() {
             return Err(ModelError::Input {
                 message: format!(
-                    "token ids fed from the device need a one-rank group; this one has {} ranks",
+                    "token ids fed from the device need a one-rank group (or forward_batch_chained); this one has {} \
+                     ranks",
                     self.workers.len() + 1
                 ),
             });
         }
+        self.step(batch, cache, rows, device, fed, false)
+    }
+
+    /// A step of an overlapped greedy chain over a group of any size: each worker takes the argmax of its own
+    /// logits (rank 0's, bit for bit: every rank ends the step with the same logits) and keeps the ids on its
+    /// device; with `fed` (rank 0's picks of the previous chained step, on its device), rank 0 embeds `fed` and
+    /// every worker the ids it kept, so no rank waits for the host between the steps. Rank 0's own picks are the
+    /// caller's (`sampling::pending_argmax` of the logits returned).
+    ///
+    /// # Errors
+    /// As [`Self::forward_batch`]; `fed` of the wrong length, or given when the previous step was not a chained step
+    /// of that many rows (nothing runs then).
+    pub fn forward_batch_chained(
+        &mut self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        device: &B::Device,
+        fed: Option<&Tensor<B, 1, Int>>,
+    ) -> Result<Tensor<B, 2>> {
+        if let Some(f) = fed
+            && !self.workers.is_empty()
+            && self.kept != Some(f.dims()[0])
+        {
+            return Err(ModelError::Input {
+                message: format!(
+                    "fed token ids of {} rows, but the workers hold {} from the previous step",
+                    f.dims()[0],
+                    self.kept.map_or("no picks".to_string(), |k| format!("picks of {k} rows"))
+                ),
+            });
+        }
+        self.step(batch, cache, rows, device, fed, true)
+    }
+
+    fn step(
+        &mut self,
+        batch: &mut [BatchEntry<'_>],
+        cache: &mut PagedMlaCache<B>,
+        rows: LogitRows,
+        device: &B::Device,
+        fed: Option<&Tensor<B, 1, Int>>,
+        keep: bool,
+    ) -> Result<Tensor<B, 2>> {
         if let Some(why) = &self.broken {
             return Err(ModelError::Collective {
                 op: "step",
@@ -328,7 +378,8 @@ impl<B: Backend> ParallelGroup<B> {
             batch.iter().map(|e| (e.seq.clone(), e.tokens.to_vec())).collect();
         let mut failure = None;
         for w in &self.workers {
-            let sent = w.jobs.as_ref().is_some_and(|j| j.send(Job::Step { entries: entries.clone(), rows }).is_ok());
+            let job = Job::Step { entries: entries.clone(), rows, fed: fed.is_some(), keep };
+            let sent = w.jobs.as_ref().is_some_and(|j| j.send(job).is_ok());
             if !sent {
                 failure.get_or_insert_with(|| worker_gone(w.rank).to_string());
             }
@@ -353,8 +404,13 @@ impl<B: Backend> ParallelGroup<B> {
             // Leave the group so that no worker waits for rank 0 in a collective.
             self.comm = None;
         }
+        self.kept = None;
         self.join_workers("step", failure)?;
-        mine
+        let logits = mine?;
+        if keep {
+            self.kept = Some(logits.dims()[0]);
+        }
+        Ok(logits)
     }
 }
 
@@ -495,12 +551,34 @@ fn worker_steps<B: Backend>(setup: WorkerSetup<B>, jobs: Receiver<Job>, done: Se
     if done.send(Ok(())).is_err() {
         return;
     }
+    // The picks of the last step, when it was asked to keep them (`Job::Step::keep`).
+    let mut kept: Option<Tensor<B, 1, Int>> = None;
     while let Ok(job) = jobs.recv() {
         let outcome = catch_unwind(AssertUnwindSafe(|| match job {
-            Job::Step { mut entries, rows } => {
+            Job::Step { mut entries, rows, fed, keep } => {
                 let mut batch: Vec<BatchEntry<'_>> =
                     entries.iter_mut().map(|(seq, tokens)| BatchEntry { seq, tokens }).collect();
-                shard.forward_batch(&mut batch, &mut cache, rows, &comm, &device).map(|_| ())
+                let ids = kept.take();
+                if fed && ids.is_none() {
+                    return Err(ModelError::Input { message: "fed picks, but this rank kept none".into() });
+                }
+                let logits = shard.forward_batch_fed(
+                    &mut batch,
+                    &mut cache,
+                    rows,
+                    &comm,
+                    &device,
+                    ids.as_ref().filter(|_| fed),
+                )?;
+                if keep {
+                    let ids = crate::sampling::argmax_ids(&logits).map_err(|message| ModelError::Collective {
+                        op: "step",
+                        rank: spec.rank,
+                        message,
+                    })?;
+                    kept = Some(ids);
+                }
+                Ok(())
             }
             Job::WarmUpAttention => warm_up_rank(&cache, &shard.config, spec).map(|_| ()),
         }))

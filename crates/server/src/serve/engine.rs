@@ -28,7 +28,8 @@
 //!   and the blocks are free; otherwise the picks are read first and the step is planned as usual. A sequence that a
 //!   stop token or a cancellation ends meanwhile drops its pick of the step already queued (the cache row that
 //!   step writes is the stop token's own and lies in pages freed in stream order), so outputs are those of the
-//!   plain schedule; one rank only (the group's workers take their tokens from the host).
+//!   plain schedule. In a tensor / expert parallel group every worker keeps its own picks of its (identical)
+//!   logits and embeds them in the next step (`ParallelGroup::forward_batch_chained`).
 
 use std::collections::VecDeque;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -241,30 +242,25 @@ impl<B: Backend> Target<B> {
         rows: LogitRows,
         device: &B::Device,
     ) -> eyrie_model::error::Result<burn::tensor::Tensor<B, 2>> {
-        self.forward_batch_fed(batch, cache, rows, device, None)
+        match self {
+            Target::Single(m) => m.forward_batch(batch, cache, rows, device),
+            Target::Parallel(g) => g.forward_batch(batch, cache, rows, device),
+        }
     }
 
-    /// [`Self::forward_batch`] embedding `fed`'s ids instead of the entries' tokens when given.
-    fn forward_batch_fed(
+    /// [`Self::forward_batch`] as a step of an overlapped greedy chain: `fed`'s ids (the previous chained step's
+    /// picks) embedded instead of the entries' tokens when given; a group's workers keep their own picks of this
+    /// step and embed them in the next (`ParallelGroup::forward_batch_chained`).
+    fn forward_chained(
         &mut self,
         batch: &mut [BatchEntry<'_>],
         cache: &mut PagedMlaCache<B>,
-        rows: LogitRows,
         device: &B::Device,
         fed: Option<&burn::tensor::Tensor<B, 1, burn::tensor::Int>>,
     ) -> eyrie_model::error::Result<burn::tensor::Tensor<B, 2>> {
         match self {
-            Target::Single(m) => m.forward_batch_fed(batch, cache, rows, device, fed),
-            Target::Parallel(g) => g.forward_batch_fed(batch, cache, rows, device, fed),
-        }
-    }
-
-    /// Whether token ids can be fed from the device to the next step ([`Self::forward_batch_fed`]): one model, or
-    /// a group of one rank.
-    fn can_feed(&self) -> bool {
-        match self {
-            Target::Single(_) => true,
-            Target::Parallel(g) => g.spec().world() == 1,
+            Target::Single(m) => m.forward_batch_fed(batch, cache, LogitRows::Last, device, fed),
+            Target::Parallel(g) => g.forward_batch_chained(batch, cache, LogitRows::Last, device, fed),
         }
     }
 }
@@ -591,12 +587,11 @@ impl<B: Backend> Engine<B> {
         p.is_greedy() && !p.has_penalties() && seq.params.logprobs.is_none()
     }
 
-    /// Whether a step's greedy picks may stay on the device for the next step (overlap scheduling): asked for, one
-    /// rank (or one model), and on CUDA the device picks switched on (they passed the warm-up's self-check).
+    /// Whether a step's greedy picks may stay on the device for the next step (overlap scheduling): asked for, and
+    /// on CUDA the device picks switched on (they passed the warm-up's self-check).
     fn overlap_allowed(&self) -> bool {
         self.config.overlap
             && self.spec.is_none()
-            && self.target.can_feed()
             && (!eyrie_model::device::is_cuda_backend::<B>() || eyrie_model::sampling::device_argmax_enabled())
     }
 
@@ -761,7 +756,7 @@ impl<B: Backend> Engine<B> {
                     })
                     .collect();
                 let ids = fed.map(|f| &f.ids);
-                self.target.forward_batch_fed(&mut batch, &mut self.cache, LogitRows::Last, &self.device, ids)
+                self.target.forward_chained(&mut batch, &mut self.cache, &self.device, ids)
             };
             for (&(i, _), c) in plan.iter().zip(caches) {
                 self.running[i].cache = Some(c);

@@ -620,6 +620,9 @@ async fn tensor_and_expert_parallel_serving_equals_plain_serving() {
         assert_eq!(value("eyrie:kv_cache_blocks_used "), 0.0, "{split:?}: every block is free\n{text}");
         let preempted = server.state.metrics.preemptions.load(std::sync::atomic::Ordering::Relaxed);
         assert!(preempted > 0, "{split:?}: the small cache preempted");
+        // The group's decode steps overlapped, each rank feeding its own picks (`forward_batch_chained`).
+        let overlapped = server.state.metrics.overlapped_steps.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(overlapped > 0, "{split:?}: no step overlapped");
     }
 }
 
