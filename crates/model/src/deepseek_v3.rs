@@ -373,11 +373,7 @@ impl<B: Backend> DeepseekV3<B> {
             None => self.token_tensor(&[&flat], device)?,
             Some(f) => {
                 let vocab = self.config.vocab_size;
-                if f.dims() != [n] {
-                    return Err(ModelError::Input {
-                        message: format!("fed token ids: shape {:?}, the batch has {n} tokens", f.dims()),
-                    });
-                }
+                check_fed(Some(f), n)?;
                 if let Some(&bad) = flat.iter().find(|&&t| t as usize >= vocab) {
                     return Err(ModelError::Input {
                         message: format!("token id {bad} is outside the vocabulary (size {vocab})"),
@@ -457,6 +453,16 @@ impl<B: Backend> DeepseekV3<B> {
             seq.push(best as u32);
         }
         Ok(seq[prompt.len()..].to_vec())
+    }
+}
+
+/// Device-fed token ids (`forward_batch_fed`) must hold one id per token of the batch: an `Input` error otherwise.
+pub(crate) fn check_fed<B: Backend>(fed: Option<&Tensor<B, 1, Int>>, n: usize) -> Result<()> {
+    match fed {
+        Some(f) if f.dims() != [n] => {
+            Err(ModelError::Input { message: format!("fed token ids: shape {:?}, the batch has {n} tokens", f.dims()) })
+        }
+        _ => Ok(()),
     }
 }
 

@@ -366,13 +366,7 @@ impl<B: Backend> ParallelGroup<B> {
             });
         }
         let n: usize = batch.iter().map(|e| e.tokens.len()).sum();
-        if let Some(f) = fed
-            && f.dims() != [n]
-        {
-            return Err(ModelError::Input {
-                message: format!("fed token ids: shape {:?}, the batch has {n} tokens", f.dims()),
-            });
-        }
+        crate::deepseek_v3::check_fed(fed, n)?;
         cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
         let entries: Vec<(SequenceCache, Vec<u32>)> =
             batch.iter().map(|e| (e.seq.clone(), e.tokens.to_vec())).collect();

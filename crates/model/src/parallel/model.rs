@@ -227,13 +227,7 @@ impl<B: Backend> ShardedDeepseekV3<B> {
             });
         }
         let n = flat.len();
-        if let Some(f) = fed
-            && f.dims() != [n]
-        {
-            return Err(ModelError::Input {
-                message: format!("fed token ids: shape {:?}, the batch has {n} tokens", f.dims()),
-            });
-        }
+        crate::deepseek_v3::check_fed(fed, n)?;
         cache.reserve_batch(batch.iter_mut().map(|e| (&mut *e.seq, e.tokens.len())))?;
         let spans = batch_spans(batch);
         let tables = batch_rope_tables(&self.rope, &spans, device);
