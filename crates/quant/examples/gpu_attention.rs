@@ -2,7 +2,7 @@
 //! runs on a CUDA machine, built with `--features cuda`.
 //!
 //! ```text
-//! gpu_attention [--json FILE] [--quick] [--sweep] [--small] [--heads 64]
+//! gpu_attention [--json FILE] [--quick] [--sweep] [--small] [--dims] [--heads 64]
 //! ```
 //!
 //! Check: random never-zero queries and latents, page tables of shuffled blocks, decode rows of several sequences
@@ -18,7 +18,10 @@
 //! the kernels), GB/s of the bytes that must move (the latents the rows see, the queries and the output) and their
 //! share of the copy bandwidth measured in the same run, and TFLOP/s (2 x heads x positions x (576 + 512) per row),
 //! the last three from the GPU time. `--heads N`:
-//! the benchmarks and sweeps with N heads instead of 64 (8: one rank's share under `--tp-size 8`).
+//! the benchmarks and sweeps with N heads instead of 64 (8: one rank's share under `--tp-size 8`). `--dims`: the
+//! dim-lane kernel's shapes (`attention_dims`) x slice lengths in GPU time beside the automatic launch, on one cache
+//! a case (the same for every launch: at 1k and at one row over 8k it stays in L2, so the % of the copy bandwidth
+//! there is the L2's, not DRAM's).
 
 use std::time::Instant;
 
@@ -27,9 +30,10 @@ use burn::cubecl::cuda::{CudaDevice, CudaRuntime};
 use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
 use eyrie_quant::cuda::attention::{
-    AttentionConfig, FEW_HEADS, HEADS_PER_WARP, PagedRows, attention_shared_bytes, mla_attention,
+    AttentionConfig, FEW_HEADS, HEADS_PER_WARP, Lanes, PagedRows, attention_shared_bytes, mla_attention,
     mla_attention_reference, write_rows,
 };
+use eyrie_quant::cuda::attention_dims::dims_refusal;
 use eyrie_quant::cuda::{BehindCopy, copy_bandwidth};
 
 type R = CudaRuntime;
@@ -93,6 +97,34 @@ fn rows_of(case: &Case, tables: Vec<u32>, max_blocks: usize) -> PagedRows {
     PagedRows { row_seq, row_len, tables, max_blocks, block_size: case.block_size }
 }
 
+/// The dim-lane kernel's shapes the check runs and the sweep times: (head warps, key warps, heads a warp, key
+/// groups a key warp a stage).
+const DIM_SHAPES: [(usize, usize, usize, usize); 12] = [
+    (1, 4, 8, 1),
+    (1, 8, 8, 1),
+    (1, 4, 8, 2),
+    (2, 2, 8, 1),
+    (2, 4, 8, 1),
+    (4, 1, 8, 1),
+    (4, 2, 8, 1),
+    (8, 1, 8, 1),
+    (8, 1, 8, 2),
+    (2, 4, 4, 1),
+    (4, 2, 4, 1),
+    (8, 1, 4, 2),
+];
+
+/// A launch shape in words: the kernel, warps, heads a warp, slices.
+fn shape_label(cfg: &AttentionConfig) -> String {
+    match cfg.lanes {
+        Lanes::Keys => format!("keys: {} warps x {} heads, {} slices", cfg.warps, cfg.hpw, cfg.splits),
+        Lanes::Dims { key_warps, groups } => format!(
+            "dims: {} x {key_warps} warps x {} heads, {groups} groups, {} slices",
+            cfg.warps, cfg.hpw, cfg.splits
+        ),
+    }
+}
+
 fn check(
     client: &ComputeClient<R>,
     rng: &mut SplitMix64,
@@ -114,14 +146,33 @@ fn check(
     let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
     let max_len = rows.row_len.iter().copied().max().unwrap_or(1) as usize;
     let smem = client.properties().hardware.max_shared_memory_size;
-    let auto = AttentionConfig::new(n, case.heads, max_len, d, 132, smem)
+    let auto = AttentionConfig::pick(n, case.heads, max_len, case.r, case.rot, 132, smem)
         .ok_or_else(|| anyhow::anyhow!("{}: no launch shape fits", case.name))?;
+    let keys = AttentionConfig::new(n, case.heads, max_len, d, 132, smem)
+        .ok_or_else(|| anyhow::anyhow!("{}: no key-lane shape fits", case.name))?;
     let one = AttentionConfig { splits: 1, chunk: max_len.div_ceil(32) * 32, ..auto };
-    // Every heads-a-warp variant of the kernel, at the automatic slices.
+    // The model's launch (`pick`) and the key-lane kernel's every heads-a-warp variant, at the automatic slices.
     let mut launches = vec![("auto".to_string(), auto), ("one slice".to_string(), one)];
+    if keys != auto {
+        launches.push(("key lanes".to_string(), keys));
+    }
     for hpw in HEADS_PER_WARP {
-        if hpw != auto.hpw && attention_shared_bytes(d, auto.warps, hpw) <= smem {
-            launches.push((format!("{hpw} heads a warp"), AttentionConfig { hpw, ..auto }));
+        if hpw != keys.hpw && attention_shared_bytes(d, keys.warps, hpw) <= smem {
+            launches.push((format!("{hpw} heads a warp"), AttentionConfig { hpw, ..keys }));
+        }
+    }
+    // The dim-lane kernel's shapes (where it takes the latent: `r` a multiple of 128), at the automatic slices and
+    // at one slice.
+    for (wh, wk, hpw, sg) in DIM_SHAPES {
+        if dims_refusal(case.r, case.rot, wh, wk, hpw, sg, smem).is_none() && wh * hpw <= case.heads.next_multiple_of(8)
+        {
+            let lanes = Lanes::Dims { key_warps: wk, groups: sg };
+            let cfg = AttentionConfig { lanes, warps: wh, hpw, ..auto };
+            launches.push((format!("dims {wh}x{wk} warps, {hpw} heads, {sg} groups"), cfg));
+            launches.push((
+                format!("dims {wh}x{wk} warps, {hpw} heads, {sg} groups, one slice"),
+                AttentionConfig { splits: 1, chunk: one.chunk, ..cfg },
+            ));
         }
     }
     let mut all_ok = true;
@@ -166,6 +217,7 @@ fn main() -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
     let sweep = args.iter().any(|a| a == "--sweep");
     let small = args.iter().any(|a| a == "--small");
+    let dims = args.iter().any(|a| a == "--dims");
     let heads: usize = match args.iter().position(|a| a == "--heads") {
         Some(i) => args.get(i + 1).context("--heads needs a count")?.parse().context("--heads: not a count")?,
         None => 64,
@@ -269,7 +321,7 @@ fn main() -> Result<()> {
             let caches: Vec<_> = (0..copies).map(|_| client.create_from_slice(f32::as_bytes(&layer))).collect();
             let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
             let out = client.empty(batch * heads * r * 4);
-            let cfg = AttentionConfig::new(batch, heads, ctx, d, sms, smem)
+            let cfg = AttentionConfig::pick(batch, heads, ctx, r, rot, sms, smem)
                 .ok_or_else(|| anyhow::anyhow!("no launch shape fits"))?;
             let scale = 1.0 / (192f32).sqrt();
             // Call `i` runs on layer `i`'s cache (of `copies`).
@@ -333,11 +385,9 @@ fn main() -> Result<()> {
             let gbs = moved / gpu_secs / 1e9;
             let pct = 100.0 * moved / gpu_secs / copy_bw;
             println!(
-                "| {batch} | {ctx} | {:.1} | {} warps x {} heads, {} slices | {:.1} | {gpu_us:.1}{mark} | {gbs:.0} | {pct:.1} | {:.1} |",
+                "| {batch} | {ctx} | {:.1} | {} | {:.1} | {gpu_us:.1}{mark} | {gbs:.0} | {pct:.1} | {:.1} |",
                 cache_bytes / 1e6,
-                cfg.warps,
-                cfg.hpw,
-                cfg.splits,
+                shape_label(&cfg),
                 secs * 1e6,
                 flops / gpu_secs / 1e12
             );
@@ -345,7 +395,7 @@ fn main() -> Result<()> {
                 serde_json::json!({"batch": batch, "context": ctx, "heads": heads, "cache_bytes": cache_bytes,
                 "bytes_moved": moved, "us": secs * 1e6, "gpu_us": gpu_us, "gpu_timing": gpu_timing, "gb_s_gpu": gbs, "pct_copy_bw_gpu": pct,
                 "pct_copy_bw_wall": 100.0 * moved / secs / copy_bw, "tflops_gpu": flops / gpu_secs / 1e12,
-                "warps": cfg.warps, "heads_per_warp": cfg.hpw, "splits": cfg.splits, "chunk": cfg.chunk}),
+                "warps": cfg.warps, "heads_per_warp": cfg.hpw, "lanes": format!("{:?}", cfg.lanes), "splits": cfg.splits, "chunk": cfg.chunk}),
             );
         }
     }
@@ -379,7 +429,7 @@ fn main() -> Result<()> {
                     if chunk > ctx.next_multiple_of(32) {
                         continue;
                     }
-                    let cfg = AttentionConfig { warps, hpw, splits: ctx.div_ceil(chunk), chunk };
+                    let cfg = AttentionConfig { lanes: Lanes::Keys, warps, hpw, splits: ctx.div_ceil(chunk), chunk };
                     let run = || {
                         mla_attention(&client, &q_dev, &cache, slots, &rows, &meta, &out, heads, r, rot, 0.07, cfg)
                             .map_err(anyhow::Error::msg)
@@ -434,7 +484,7 @@ fn main() -> Result<()> {
                     continue;
                 }
                 for chunk in [32usize, 64, 128] {
-                    let cfg = AttentionConfig { warps, hpw, splits: ctx.div_ceil(chunk), chunk };
+                    let cfg = AttentionConfig { lanes: Lanes::Keys, warps, hpw, splits: ctx.div_ceil(chunk), chunk };
                     let run = || {
                         mla_attention(&client, &q_dev, &cache, slots, &rows, &meta, &out, heads, r, rot, 0.07, cfg)
                             .map_err(anyhow::Error::msg)
@@ -461,6 +511,98 @@ fn main() -> Result<()> {
                         "heads_per_warp": hpw, "warps": warps, "chunk": chunk, "splits": cfg.splits,
                         "blocks": blocks, "gpu_us": us, "auto": auto == Some(cfg)}));
                 }
+            }
+        }
+    }
+    // The dim-lane kernel (`--dims`): GPU time behind a copy of every shape in `DIM_SHAPES` x slice length, beside
+    // the automatic key-lane launch on the same inputs.
+    if dims {
+        println!("\ndim lanes, GPU time behind a copy: us per layer ({heads} heads; auto = the key-lane launch)");
+        println!(
+            "| batch | context | kernel | head warps x key warps | heads a warp | groups | positions a slice | blocks | GPU us/layer | % of copy BW |\n|---|---|---|---|---|---|---|---|---|---|"
+        );
+        for (ctx, batch) in [(1024usize, 1usize), (8192, 1), (1024, 8), (8192, 8), (1024, 32), (8192, 32)] {
+            let lens = vec![ctx; batch];
+            let slots = batch * ctx.div_ceil(bs) * bs;
+            let case = Case { name: "dims", heads, r, rot, block_size: bs, lens: lens.clone(), new: vec![1; batch] };
+            let (t, max_blocks) = tables(&mut rng, &lens, bs, slots);
+            let rows = rows_of(&case, t, max_blocks);
+            let q_dev = client.create_from_slice(f32::as_bytes(&values(&mut rng, batch * heads * d, 1.0)));
+            let cache = client.create_from_slice(f32::as_bytes(&values(&mut rng, slots * d, 1.0)));
+            let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
+            let out = client.empty(batch * heads * r * 4);
+            let moved = (batch * ctx * d * 4 + batch * heads * (d + r) * 4) as f64;
+            let auto = AttentionConfig::new(batch, heads, ctx, d, sms, smem)
+                .ok_or_else(|| anyhow::anyhow!("no launch shape fits"))?;
+            let picked = AttentionConfig::pick(batch, heads, ctx, r, rot, sms, smem);
+            let mut candidates = vec![auto];
+            for (wh, wk, hpw, sg) in DIM_SHAPES {
+                if dims_refusal(r, rot, wh, wk, hpw, sg, smem).is_some() || wh * hpw > heads.next_multiple_of(8) {
+                    continue;
+                }
+                for chunk in [64usize, 128, 256, 512, 1024, 2048, 4096] {
+                    if chunk <= ctx {
+                        let lanes = Lanes::Dims { key_warps: wk, groups: sg };
+                        candidates.push(AttentionConfig { lanes, warps: wh, hpw, splits: ctx.div_ceil(chunk), chunk });
+                    }
+                }
+            }
+            if let Some(p) = picked.filter(|p| !candidates.contains(p)) {
+                candidates.push(p);
+            }
+            let mut best: Option<(f64, AttentionConfig)> = None;
+            let mut auto_us = 0.0;
+            for cfg in candidates {
+                let run = || {
+                    mla_attention(&client, &q_dev, &cache, slots, &rows, &meta, &out, heads, r, rot, 0.07, cfg)
+                        .map_err(anyhow::Error::msg)
+                };
+                run()?;
+                let mut launch_err = None;
+                let mut gpu_time = |calls: usize| {
+                    behind.time_us(&client, 0, calls, |_| {
+                        if let Err(e) = run() {
+                            launch_err.get_or_insert(e);
+                        }
+                    })
+                };
+                // Long launches: where the host's enqueue of 10 outlasts the copy, 2 calls.
+                let us = match gpu_time(10) {
+                    Ok(us) => us,
+                    Err(_) => gpu_time(2).map_err(anyhow::Error::msg)?,
+                };
+                if let Some(e) = launch_err {
+                    return Err(e);
+                }
+                let picked_mark = if picked == Some(cfg) { " (picked)" } else { "" };
+                let (kernel, shape, groups) = match cfg.lanes {
+                    Lanes::Keys => ("keys (auto)", format!("{}", cfg.warps), "-".to_string()),
+                    Lanes::Dims { key_warps, groups } => {
+                        ("dims", format!("{} x {key_warps}", cfg.warps), groups.to_string())
+                    }
+                };
+                if cfg == auto {
+                    auto_us = us;
+                } else if best.is_none_or(|(b, _)| us < b) {
+                    best = Some((us, cfg));
+                }
+                println!(
+                    "| {batch} | {ctx} | {kernel}{picked_mark} | {shape} | {} | {groups} | {} | {} | {us:.1} | {:.1} |",
+                    cfg.hpw,
+                    cfg.chunk,
+                    cfg.blocks(batch, heads),
+                    100.0 * moved / (us * 1e-6) / copy_bw
+                );
+                sweep_json.push(serde_json::json!({"dims": true, "batch": batch, "context": ctx, "heads": heads,
+                    "kernel": kernel, "warps": cfg.warps, "heads_per_warp": cfg.hpw, "lanes": format!("{:?}", cfg.lanes),
+                    "chunk": cfg.chunk, "splits": cfg.splits, "gpu_us": us,
+                    "pct_copy_bw": 100.0 * moved / (us * 1e-6) / copy_bw}));
+            }
+            if let Some((us, cfg)) = best {
+                println!(
+                    "best dims at {batch} x {ctx}: {us:.1} us ({cfg:?}) against the key lanes' {auto_us:.1} us: {:.2}x",
+                    auto_us / us
+                );
             }
         }
     }

@@ -81,7 +81,7 @@ pub(crate) fn mla_attention<B: Backend>(
         }
         return Some(Tensor::cat(parts, 1));
     }
-    let cfg = AttentionConfig::new(n, h, max_len, width, sms, smem)?;
+    let cfg = AttentionConfig::pick(n, h, max_len, r, rot, sms, smem)?;
     let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
     let out = client.empty(n * h * r * 4);
     mla_attention(&client, &qc.handle, &pc.handle, slots, rows, &meta, &out, h, r, rot, scale as f32, cfg).ok()?;
@@ -237,7 +237,7 @@ pub fn mla_absorbed<B: Backend>(
     let sms = props.hardware.num_streaming_multiprocessors.unwrap_or(132) as usize;
     let smem = props.hardware.max_shared_memory_size;
     let max_len = rows.row_len.iter().copied().max().unwrap_or(0) as usize;
-    let cfg = AttentionConfig::new(n, heads, max_len, width, sms, smem)?;
+    let cfg = AttentionConfig::pick(n, heads, max_len, r, rot, sms, smem)?;
     let meta = match uploaded(rows_dev, rows.packed_len()) {
         Some(meta) => meta,
         None => client.create_from_slice(u32::as_bytes(&rows.packed())),

@@ -191,10 +191,27 @@ pub const HEADS_PER_WARP: [usize; 4] = [1, 2, 4, 8];
 /// (`gpu_attention --heads 8 --sweep`, session 17).
 pub const FEW_HEADS: usize = 16;
 
-/// Launch shape of the attention: warps per block, heads per warp and slices per query row.
+/// Which kernel runs the attention: how its lanes split the work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lanes {
+    /// A lane a key ([`gpu::mla_attention_kernel`]): `warps` warps of `hpw` heads each over the same keys.
+    Keys,
+    /// A lane a stretch of the latent's dimensions ([`super::attention_dims`]): `warps` head warps of `hpw` heads
+    /// each, times `key_warps` warps over different keys; `groups` groups of `32 / hpw` keys a key warp a stage.
+    Dims {
+        /// Warps over different keys of the same heads (merged at the block's end).
+        key_warps: usize,
+        /// Key groups a key warp takes from each stage of latents.
+        groups: usize,
+    },
+}
+
+/// Launch shape of the attention: the kernel, warps per block, heads per warp and slices per query row.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttentionConfig {
-    /// Warps per block: 1 to 8.
+    /// The kernel.
+    pub lanes: Lanes,
+    /// Warps per block (with [`Lanes::Dims`], head warps): 1 to 8.
     pub warps: usize,
     /// Heads per warp: one of [`HEADS_PER_WARP`].
     pub hpw: usize,
@@ -205,8 +222,8 @@ pub struct AttentionConfig {
 }
 
 impl AttentionConfig {
-    /// The shape for `rows` query rows of `heads` heads over at most `max_len` positions, latents of width `d`, on
-    /// a device with `sms` multiprocessors and `smem` bytes of shared memory per block. Heads a warp: 8 (each
+    /// The key-lane kernel's shape ([`Lanes::Keys`]; [`Self::pick`] chooses between the kernels) for `rows` query
+    /// rows of `heads` heads over at most `max_len` positions, latents of width `d`, on a device with `sms` multiprocessors and `smem` bytes of shared memory per block. Heads a warp: 8 (each
     /// latent tile read into the fewest blocks) when the rows' 32-position tiles give every multiprocessor at least
     /// 8 warp tasks, else 4 (at 6 tasks a multiprocessor) or 2, so short contexts at small batches still fill the
     /// GPU with short chains (the batch-1 fixed cost). Then as many warps as the heads fill (at most 8) and the shared memory allows, then
@@ -263,7 +280,23 @@ impl AttentionConfig {
         let per_sm = (smem / attention_shared_bytes(d, warps, hpw)).max(1);
         let want = (sms * per_sm / per_split(warps)).clamp(1, tiles);
         let chunk = tiles.div_ceil(want) * 32;
-        Some(Self { warps, hpw, splits: max_len.div_ceil(chunk), chunk })
+        Some(Self { lanes: Lanes::Keys, warps, hpw, splits: max_len.div_ceil(chunk), chunk })
+    }
+
+    /// The launch for `rows` query rows of `heads` heads over at most `max_len` positions, latents of `r + rot`:
+    /// the dim-lane kernel where it is the faster one ([`super::attention_dims::pick`]), else the key-lane shape of
+    /// [`Self::new`].
+    pub fn pick(
+        rows: usize,
+        heads: usize,
+        max_len: usize,
+        r: usize,
+        rot: usize,
+        sms: usize,
+        smem: usize,
+    ) -> Option<Self> {
+        super::attention_dims::pick(rows, heads, max_len, r, rot, sms, smem)
+            .or_else(|| Self::new(rows, heads, max_len, r + rot, sms, smem))
     }
 
     /// Blocks of one launch for `rows` query rows of `heads` heads.
@@ -288,9 +321,9 @@ impl AttentionConfig {
             if heads == 0 || attention_shared_bytes(d, warps, hpw) > smem {
                 continue;
             }
-            out.push(Self { warps, hpw, splits: 1, chunk: 32 });
+            out.push(Self { lanes: Lanes::Keys, warps, hpw, splits: 1, chunk: 32 });
             if hpw == 8 && warps >= 2 {
-                out.push(Self { warps: warps / 2, hpw, splits: 1, chunk: 32 });
+                out.push(Self { lanes: Lanes::Keys, warps: warps / 2, hpw, splits: 1, chunk: 32 });
             }
         }
         out
@@ -673,7 +706,8 @@ pub(crate) mod gpu {
         let q = client.create_from_slice(u32::as_bytes(&vec![0u32; heads * d]));
         let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
         let out = client.empty(heads * r * 4);
-        let variants = AttentionConfig::variants(heads, d, smem);
+        let mut variants = AttentionConfig::variants(heads, d, smem);
+        variants.extend(crate::cuda::attention_dims::variants(r, rot, smem));
         for cfg in &variants {
             let cfg = AttentionConfig { splits: 2, ..*cfg };
             mla_attention(client, &q, cache, slots, &rows, &meta, &out, heads, r, rot, 1.0, cfg)?;
@@ -751,6 +785,14 @@ pub(crate) mod gpu {
         {
             return Err(format!("mla_attention: launch shape {cfg:?}"));
         }
+        if let super::Lanes::Dims { key_warps, groups } = cfg.lanes {
+            let smem = client.properties().hardware.max_shared_memory_size;
+            if let Some(why) =
+                crate::cuda::attention_dims::dims_refusal(r, rot, cfg.warps, key_warps, cfg.hpw, groups, smem)
+            {
+                return Err(format!("mla_attention: {why}"));
+            }
+        }
         rows.validate(slots).map_err(|e| format!("mla_attention: {e}"))?;
         let max_len = rows.row_len.iter().copied().max().unwrap_or(0) as usize;
         if cfg.splits * cfg.chunk < max_len {
@@ -781,34 +823,69 @@ pub(crate) mod gpu {
                 crate::cuda::gpu::scratch(client, [cfg.splits * pairs * r * 4, cfg.splits * pairs * 2 * 4]);
             (o_part, cfg.splits * pairs * r, ml_part)
         };
-        let count = CubeCount::Static(cfg.splits as u32, n as u32, heads.div_ceil(cfg.hpw * cfg.warps) as u32);
+        let groups = heads.div_ceil(cfg.hpw * cfg.warps) as u32;
         let address = AddressType::from_len((slots * d).max(o_len).max(n * heads * d));
+        let (rows_u, heads_u, chunk_u) = (n as u32, heads as u32, cfg.chunk as u32);
+        let (max_blocks, block_size) = (rows.max_blocks as u32, rows.block_size as u32);
         // SAFETY: sizes and page tables checked above (`validate`: every block a row reads is inside the cache);
-        // the kernel reads `q` rows `< n` and heads `< heads`, positions `< row_len` through the tables, and writes
+        // the kernels read `q` rows `< n` and heads `< heads`, positions `< row_len` through the tables, and write
         // `o_part`/`ml_part` at `(split, row, head < heads)`.
         unsafe {
-            mla_attention_kernel::launch_unchecked::<R>(
-                client,
-                count,
-                CubeDim::new_2d(32, cfg.warps as u32),
-                address,
-                4,
-                ArrayArg::from_raw_parts(q.clone(), n * heads * d / 4),
-                ArrayArg::from_raw_parts(cache.clone(), slots * d / 4),
-                ArrayArg::from_raw_parts(meta.clone(), meta_len),
-                ArrayArg::from_raw_parts(o_part.clone(), o_len / 4),
-                ArrayArg::from_raw_parts(ml_part.clone(), cfg.splits * pairs * 2),
-                n as u32,
-                heads as u32,
-                rows.max_blocks as u32,
-                rows.block_size as u32,
-                cfg.chunk as u32,
-                scale,
-                r,
-                rot,
-                cfg.warps,
-                cfg.hpw,
-            );
+            let q = ArrayArg::from_raw_parts(q.clone(), n * heads * d / 4);
+            let cache = ArrayArg::from_raw_parts(cache.clone(), slots * d / 4);
+            let meta = ArrayArg::from_raw_parts(meta.clone(), meta_len);
+            let o_arg = ArrayArg::from_raw_parts(o_part.clone(), o_len / 4);
+            let ml_arg = ArrayArg::from_raw_parts(ml_part.clone(), cfg.splits * pairs * 2);
+            match cfg.lanes {
+                super::Lanes::Keys => mla_attention_kernel::launch_unchecked::<R>(
+                    client,
+                    CubeCount::Static(cfg.splits as u32, rows_u, groups),
+                    CubeDim::new_2d(32, cfg.warps as u32),
+                    address,
+                    4,
+                    q,
+                    cache,
+                    meta,
+                    o_arg,
+                    ml_arg,
+                    rows_u,
+                    heads_u,
+                    max_blocks,
+                    block_size,
+                    chunk_u,
+                    scale,
+                    r,
+                    rot,
+                    cfg.warps,
+                    cfg.hpw,
+                ),
+                super::Lanes::Dims { key_warps, groups: sg } => {
+                    crate::cuda::attention_dims::mla_attention_dims_kernel::launch_unchecked::<R>(
+                        client,
+                        CubeCount::Static(groups, cfg.splits as u32, rows_u),
+                        CubeDim::new_2d(32, (cfg.warps * key_warps) as u32),
+                        address,
+                        4,
+                        q,
+                        cache,
+                        meta,
+                        o_arg,
+                        ml_arg,
+                        rows_u,
+                        heads_u,
+                        max_blocks,
+                        block_size,
+                        chunk_u,
+                        scale,
+                        r,
+                        rot,
+                        cfg.warps,
+                        key_warps,
+                        cfg.hpw,
+                        sg,
+                    )
+                }
+            }
         }
         Ok(AttentionParts { o: o_part, ml: ml_part, splits: cfg.splits })
     }

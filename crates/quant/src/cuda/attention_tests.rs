@@ -82,20 +82,20 @@ fn config_fits_shared_memory_and_covers_the_positions() {
     // (4 of 256: one wave of 128 blocks).
     assert_eq!(
         AttentionConfig::new(8, 64, 1024, 576, 132, 227 * 1024),
-        Some(AttentionConfig { warps: 8, hpw: 8, splits: 16, chunk: 64 })
+        Some(AttentionConfig { lanes: Lanes::Keys, warps: 8, hpw: 8, splits: 16, chunk: 64 })
     );
     assert_eq!(
         AttentionConfig::new(8, 64, 8192, 576, 132, 227 * 1024),
-        Some(AttentionConfig { warps: 8, hpw: 8, splits: 16, chunk: 512 })
+        Some(AttentionConfig { lanes: Lanes::Keys, warps: 8, hpw: 8, splits: 16, chunk: 512 })
     );
     assert_eq!(
         AttentionConfig::new(32, 64, 1024, 576, 132, 227 * 1024),
-        Some(AttentionConfig { warps: 8, hpw: 8, splits: 4, chunk: 256 })
+        Some(AttentionConfig { lanes: Lanes::Keys, warps: 8, hpw: 8, splits: 4, chunk: 256 })
     );
     // One row over a short context: 32-position slices, 2 heads a warp and 4 head groups of 8 warps (128
     // blocks of short chains).
     let c = AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024).unwrap();
-    assert_eq!(c, AttentionConfig { warps: 8, hpw: 2, splits: 32, chunk: 32 });
+    assert_eq!(c, AttentionConfig { lanes: Lanes::Keys, warps: 8, hpw: 2, splits: 32, chunk: 32 });
     assert_eq!(c.blocks(1, 64), 128);
     // One more tile (a decode step past 1024 positions) keeps 2 heads a warp (GPU-timed: 26.2 us against 32.5
     // with 4, session 13).
@@ -104,11 +104,11 @@ fn config_fits_shared_memory_and_covers_the_positions() {
     // Two and four rows over 1k: 4 heads a warp (the sweep's best shapes).
     assert_eq!(
         AttentionConfig::new(2, 64, 1024, 576, 132, 227 * 1024),
-        Some(AttentionConfig { warps: 8, hpw: 4, splits: 32, chunk: 32 })
+        Some(AttentionConfig { lanes: Lanes::Keys, warps: 8, hpw: 4, splits: 32, chunk: 32 })
     );
     assert_eq!(
         AttentionConfig::new(4, 64, 1024, 576, 132, 227 * 1024),
-        Some(AttentionConfig { warps: 8, hpw: 4, splits: 16, chunk: 64 })
+        Some(AttentionConfig { lanes: Lanes::Keys, warps: 8, hpw: 4, splits: 16, chunk: 64 })
     );
     // SM120: 99 KiB per block allows one warp of 8 heads with a 576-wide latent tile, more of fewer heads.
     let c = AttentionConfig::new(1, 64, 1000, 576, 188, 99 * 1024).unwrap();
@@ -125,11 +125,11 @@ fn config_fits_shared_memory_and_covers_the_positions() {
     // A tensor-parallel rank's 8 heads: 2 heads a warp in 4-warp blocks, two blocks a multiprocessor (the 8-head
     // sweep's best shapes at 8 x 8k, 32 x 1k and 8 x 1k, session 17; 8 heads in one warp took 2.8x as long at 8k).
     let h8 = |rows, ctx| AttentionConfig::new(rows, 8, ctx, 576, 132, 227 * 1024);
-    assert_eq!(h8(8, 8192), Some(AttentionConfig { warps: 4, hpw: 2, splits: 32, chunk: 256 }));
-    assert_eq!(h8(32, 1024), Some(AttentionConfig { warps: 4, hpw: 2, splits: 8, chunk: 128 }));
-    assert_eq!(h8(8, 1024), Some(AttentionConfig { warps: 4, hpw: 2, splits: 32, chunk: 32 }));
+    assert_eq!(h8(8, 8192), Some(AttentionConfig { lanes: Lanes::Keys, warps: 4, hpw: 2, splits: 32, chunk: 256 }));
+    assert_eq!(h8(32, 1024), Some(AttentionConfig { lanes: Lanes::Keys, warps: 4, hpw: 2, splits: 8, chunk: 128 }));
+    assert_eq!(h8(8, 1024), Some(AttentionConfig { lanes: Lanes::Keys, warps: 4, hpw: 2, splits: 32, chunk: 32 }));
     // 1-4 rows over 1k: one head a warp, 8 warps (22.9-23.3 us against 27.7 with 2 heads a warp at one row).
-    assert_eq!(h8(1, 1024), Some(AttentionConfig { warps: 8, hpw: 1, splits: 32, chunk: 32 }));
+    assert_eq!(h8(1, 1024), Some(AttentionConfig { lanes: Lanes::Keys, warps: 8, hpw: 1, splits: 32, chunk: 32 }));
     assert_eq!(h8(4, 1024).map(|c| (c.warps, c.hpw)), Some((8, 1)));
     // Kimi's 64 heads never take one head a warp.
     for rows in [1, 2, 4, 8] {
@@ -160,4 +160,49 @@ fn variants_cover_every_shape_new_picks() {
         }
     }
     assert!(AttentionConfig::variants(0, 576, 227 * 1024).is_empty());
+}
+
+#[test]
+fn the_dim_lanes_are_picked_where_the_h200_measured_them_faster() {
+    use crate::cuda::attention_dims::{FEW_HEADS_NARROW, FEW_HEADS_WIDE, MANY_HEADS, dims_shared_bytes};
+    let h200 = |rows, heads, ctx| AttentionConfig::pick(rows, heads, ctx, 512, 64, 132, 227 * 1024).unwrap();
+    let dims = |c: AttentionConfig| match c.lanes {
+        Lanes::Dims { key_warps, groups } => {
+            Some(crate::cuda::attention_dims::DimShape { wh: c.warps, wk: key_warps, hpw: c.hpw, sg: groups })
+        }
+        Lanes::Keys => None,
+    };
+    // Session 22's sweep (`gpu_attention --dims`): the best shape and slice length of each case.
+    let c = h200(8, 8, 8192);
+    assert_eq!((dims(c), c.chunk, c.splits), (Some(FEW_HEADS_WIDE), 256, 32));
+    let c = h200(32, 8, 8192);
+    assert_eq!((dims(c), c.chunk), (Some(FEW_HEADS_WIDE), 1024));
+    let c = h200(8, 8, 1024);
+    assert_eq!((dims(c), c.chunk), (Some(FEW_HEADS_NARROW), 64));
+    let c = h200(32, 8, 1024);
+    assert_eq!((dims(c), c.chunk), (Some(FEW_HEADS_NARROW), 256));
+    let c = h200(1, 64, 8192);
+    assert_eq!((dims(c), c.chunk, c.splits), (Some(MANY_HEADS), 128, 64));
+    let c = h200(8, 64, 1024);
+    assert_eq!((dims(c), c.chunk), (Some(MANY_HEADS), 128));
+    let c = h200(8, 64, 8192);
+    assert_eq!((dims(c), c.chunk), (Some(MANY_HEADS), 1024));
+    // Many heads over few positions keep the key lanes (as fast there), as does a latent the dim lanes refuse.
+    assert_eq!(h200(1, 64, 1024), AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024).unwrap());
+    let small = AttentionConfig::pick(8, 8, 8192, 64, 8, 132, 227 * 1024).unwrap();
+    assert_eq!(small, AttentionConfig::new(8, 8, 8192, 72, 132, 227 * 1024).unwrap());
+    // SM120 (99 KB a block): few heads take the 92 KB shape at any size, 64 heads the key lanes.
+    let sm120 = |rows, heads, ctx| AttentionConfig::pick(rows, heads, ctx, 512, 64, 188, 99 * 1024).unwrap();
+    assert_eq!(dims(sm120(1, 8, 1024)), Some(FEW_HEADS_WIDE));
+    assert_eq!(dims(sm120(8, 64, 8192)), None);
+    assert!(dims_shared_bytes(512, 64, 1, 4, 8, 1) <= 99 * 1024);
+    // Every pick covers its rows' positions in slices of whole 64s, and a thousand rows take one slice.
+    for (rows, heads, ctx) in [(1, 8, 1000), (3, 16, 70_000), (8, 32, 8191), (128, 64, 8192), (1024, 64, 1024)] {
+        let c = h200(rows, heads, ctx);
+        assert!(c.splits * c.chunk >= ctx && (c.splits - 1) * c.chunk < ctx, "{c:?}");
+        if dims(c).is_some() {
+            assert!(c.chunk.is_multiple_of(64), "{c:?}");
+        }
+    }
+    assert_eq!(h200(1024, 64, 1024).splits, 1);
 }

@@ -11,12 +11,15 @@
 //!   tested in CI.
 //! - `kernels` and [`gpu`] (feature `cuda`): the CubeCL kernels and their launches; [`specs`]: the kernel
 //!   specialisations (comptime arguments) of those launches, all of them listed once.
+//! - [`attention_dims`]: the decode attention's second kernel, lanes over the latent's dimensions (its launch
+//!   shapes always built, the kernel with feature `cuda`).
 //! - [`attention_merge`] (feature `cuda`): the merge of the attention's slices (the combine launch, and the merge the
 //!   MLA output launch runs itself at one token).
 //! - [`resources`]: ptxas resource reports and per-architecture block limits; [`offline`] (feature `cuda`): the
 //!   CUDA C++ of each specialisation for a target architecture, made without a GPU (`cargo xtask kernels`).
 
 pub mod attention;
+pub mod attention_dims;
 pub mod dense;
 pub mod dense_mma;
 pub mod dense_shapes;

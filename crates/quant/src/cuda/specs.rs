@@ -349,6 +349,15 @@ pub enum KernelSpec {
         /// Heads per warp.
         hpw: usize,
     },
+    /// `attention_dims::mla_attention_dims_kernel` (the same attention, lanes over the latent's dimensions).
+    MlaAttentionDims {
+        /// Latent rank (value width).
+        r: usize,
+        /// Rotary width.
+        rot: usize,
+        /// The launch shape.
+        shape: crate::cuda::attention_dims::DimShape,
+    },
     /// `attention::mla_combine_kernel` (merge of a row's slices).
     MlaCombine {
         /// Latent rank (value width).
@@ -488,6 +497,7 @@ impl KernelSpec {
             Self::SplitX3 { .. } => CubeDim::new_1d(256),
             Self::Combine { .. } | Self::Copy => CubeDim::new_1d(256),
             Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
+            Self::MlaAttentionDims { shape, .. } => CubeDim::new_2d(32, (shape.wh * shape.wk) as u32),
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
             Self::MhaPrefill { .. } => CubeDim::new_1d(crate::cuda::prefill_attention::THREADS as u32),
             Self::ArgmaxRows => CubeDim::new_1d(crate::cuda::sampling::ARGMAX_THREADS as u32),
@@ -518,6 +528,9 @@ impl KernelSpec {
             }
             Self::Copy => "copy f32x4".into(),
             Self::MlaAttention { r, rot, warps, hpw } => format!("mla_attention r{r} rot{rot} warps{warps} hpw{hpw}"),
+            Self::MlaAttentionDims { r, rot, shape: s } => {
+                format!("mla_attention_dims r{r} rot{rot} wh{} wk{} hpw{} sg{}", s.wh, s.wk, s.hpw, s.sg)
+            }
             Self::MlaCombine { r } => format!("mla_combine r{r}"),
             Self::MhaPrefill { dims } => format!("mha_prefill nope{} rot{} vd{}", dims.nope, dims.rot, dims.vd),
             Self::ArgmaxRows => "argmax_rows".into(),
@@ -654,6 +667,13 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
             if attention_shared_bytes(r + rot, warps, hpw) <= smem_limit {
                 out.push(KernelSpec::MlaAttention { r, rot, warps, hpw });
             }
+        }
+    }
+    for shape in crate::cuda::attention_dims::PICKED {
+        if crate::cuda::attention_dims::dims_refusal(r, rot, shape.wh, shape.wk, shape.hpw, shape.sg, smem_limit)
+            .is_none()
+        {
+            out.push(KernelSpec::MlaAttentionDims { r, rot, shape });
         }
     }
     out.push(KernelSpec::MlaCombine { r });
@@ -859,17 +879,32 @@ mod tests {
         let sm120 = attention_and_dense_specs(512, 64, &[7168], 101_376);
         assert!(sm120.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 1, hpw: 8 }));
         assert!(!sm120.iter().any(|s| matches!(s, KernelSpec::MlaAttention { warps: 2.., hpw: 8, .. })));
-        // Every shape the launcher picks on SM120 is in the list.
+        // Every shape the launcher picks on SM120 and the H200 is in the list.
+        let spec_of = |c: crate::cuda::attention::AttentionConfig| match c.lanes {
+            crate::cuda::attention::Lanes::Keys => {
+                KernelSpec::MlaAttention { r: 512, rot: 64, warps: c.warps, hpw: c.hpw }
+            }
+            crate::cuda::attention::Lanes::Dims { key_warps, groups } => KernelSpec::MlaAttentionDims {
+                r: 512,
+                rot: 64,
+                shape: crate::cuda::attention_dims::DimShape { wh: c.warps, wk: key_warps, hpw: c.hpw, sg: groups },
+            },
+        };
         for (rows, ctx) in [(1, 64), (1, 1024), (1, 8192), (8, 1024), (8, 8192), (32, 1024), (1024, 1024)] {
             for heads in [8, 16, 32, 64, 128] {
-                let c = crate::cuda::attention::AttentionConfig::new(rows, heads, ctx, 576, 188, 101_376).unwrap();
-                let spec = KernelSpec::MlaAttention { r: 512, rot: 64, warps: c.warps, hpw: c.hpw };
-                assert!(sm120.contains(&spec), "{rows} rows x {ctx}, {heads} heads: {c:?}");
-                let c = crate::cuda::attention::AttentionConfig::new(rows, heads, ctx, 576, 132, 232_448).unwrap();
-                let spec = KernelSpec::MlaAttention { r: 512, rot: 64, warps: c.warps, hpw: c.hpw };
-                assert!(h200.contains(&spec), "{rows} rows x {ctx}, {heads} heads: {c:?}");
+                let c = crate::cuda::attention::AttentionConfig::pick(rows, heads, ctx, 512, 64, 188, 101_376).unwrap();
+                assert!(sm120.contains(&spec_of(c)), "{rows} rows x {ctx}, {heads} heads: {c:?}");
+                let c = crate::cuda::attention::AttentionConfig::pick(rows, heads, ctx, 512, 64, 132, 232_448).unwrap();
+                assert!(h200.contains(&spec_of(c)), "{rows} rows x {ctx}, {heads} heads: {c:?}");
             }
         }
+        // The dim lanes' shapes: all three on the H200, the 92 KB one on SM120.
+        assert_eq!(h200.iter().filter(|s| matches!(s, KernelSpec::MlaAttentionDims { .. })).count(), 3);
+        let dims120: Vec<_> = sm120.iter().filter(|s| matches!(s, KernelSpec::MlaAttentionDims { .. })).collect();
+        assert_eq!(
+            dims120,
+            [&KernelSpec::MlaAttentionDims { r: 512, rot: 64, shape: crate::cuda::attention_dims::FEW_HEADS_WIDE }]
+        );
         assert!(sm120.iter().filter(|s| matches!(s, KernelSpec::Gemv { .. })).count() >= 4);
         for specs in [&h200, &sm120] {
             assert!(specs.iter().any(|s| matches!(s, KernelSpec::MhaPrefill { .. })));
