@@ -2,7 +2,7 @@
 //! runs on a CUDA machine, built with `--features cuda`.
 //!
 //! ```text
-//! gpu_attention [--json FILE] [--quick] [--sweep] [--small] [--dims] [--heads 64]
+//! gpu_attention [--json FILE] [--quick] [--sweep] [--small] [--dims] [--heads 64] [--profile BATCHxCONTEXT]
 //! ```
 //!
 //! Check: random never-zero queries and latents, page tables of shuffled blocks, decode rows of several sequences
@@ -266,6 +266,29 @@ fn main() -> Result<()> {
         kimi("Kimi prefill chunk + decode", 64, vec![1024, 500], vec![64, 1]),
         kimi("Kimi verify (4 drafted)", 64, vec![2000, 1500], vec![5, 5]),
     ];
+    // `--profile BATCHxCONTEXT`: one launch of the picked shape at that size, nothing else (for Nsight Compute).
+    if let Some(spec) = args.iter().position(|a| a == "--profile").and_then(|i| args.get(i + 1)) {
+        let (b, c) = spec.split_once('x').context("--profile BATCHxCONTEXT")?;
+        let (batch, ctx): (usize, usize) = (b.parse()?, c.parse()?);
+        let (r, rot, bs) = (512usize, 64usize, 16usize);
+        let d = r + rot;
+        let lens = vec![ctx; batch];
+        let slots = batch * ctx.div_ceil(bs) * bs;
+        let case = Case { name: "profile", heads, r, rot, block_size: bs, lens: lens.clone(), new: vec![1; batch] };
+        let (t, max_blocks) = tables(&mut rng, &lens, bs, slots);
+        let rows = rows_of(&case, t, max_blocks);
+        let q_dev = client.create_from_slice(f32::as_bytes(&values(&mut rng, batch * heads * d, 1.0)));
+        let cache = client.create_from_slice(f32::as_bytes(&values(&mut rng, slots * d, 1.0)));
+        let meta = client.create_from_slice(u32::as_bytes(&rows.packed()));
+        let out = client.empty(batch * heads * r * 4);
+        let cfg = AttentionConfig::pick(batch, heads, ctx, r, rot, sms, smem).context("no launch shape fits")?;
+        println!("profile: {batch} x {ctx}, {heads} heads: {}", shape_label(&cfg));
+        for _ in 0..2 {
+            mla_attention(&client, &q_dev, &cache, slots, &rows, &meta, &out, heads, r, rot, 0.07, cfg)
+                .map_err(anyhow::Error::msg)?;
+        }
+        return sync(&client);
+    }
     let mut check_json = Vec::new();
     let mut failed = false;
 

@@ -92,7 +92,8 @@ pub const NARROW_POSITIONS: usize = 2048;
 
 /// The dim-lane launch for `rows` query rows of `heads` heads over at most `max_len` positions of latents `r + rot`
 /// on a device of `sms` multiprocessors and `smem` bytes of shared memory a block, or `None` where the key-lane
-/// kernel is the one to run (`r` not a multiple of 128, many heads over few positions, or no picked shape fits).
+/// kernel is the one to run (`r` not a multiple of 128, many heads over few positions, no picked shape fits, or
+/// `EYRIE_ATTENTION_DIMS=0`).
 /// Slices: enough to give each multiprocessor one wave of blocks (as many as its shared memory holds), each a
 /// multiple of 64 positions.
 pub fn pick(
@@ -104,7 +105,7 @@ pub fn pick(
     sms: usize,
     smem: usize,
 ) -> Option<super::attention::AttentionConfig> {
-    if rows == 0 || heads == 0 || max_len == 0 {
+    if rows == 0 || heads == 0 || max_len == 0 || !dim_lanes_on() {
         return None;
     }
     let positions = rows * max_len;
@@ -127,6 +128,13 @@ pub fn pick(
         splits: max_len.div_ceil(chunk),
         chunk,
     })
+}
+
+/// Whether [`pick`] picks the dim lanes at all: on unless `EYRIE_ATTENTION_DIMS=0` (read once), for same-binary
+/// comparisons with the key-lane kernel alone.
+pub fn dim_lanes_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EYRIE_ATTENTION_DIMS").map_or(true, |v| v != "0"))
 }
 
 /// Every dim-lane launch [`pick`] can return for latents `r + rot` on a device of `smem` bytes of shared memory a
@@ -421,6 +429,9 @@ pub(crate) mod gpu {
                 // every lane has a vector, then the partial one.
                 let kbase = cur + kb * dv;
                 let qbase = head_warp * hpw * dv;
+                // (Unrolled: ptxas hoists the rounds' loads and takes 255 registers, 24 bytes of spill at 8 heads a
+                // warp; as runtime loops 238 / 182 registers and no spill, but 9% more instructions and 4-8% slower
+                // under Nsight Compute, session 22.)
                 #[unroll]
                 for j in 0..comptime!((r + rot) / 128) {
                     score_round::<N>(&mut part, &mut kf, &ks, &qs, kbase, qbase, dv, lane + 32 * j, g, hpw);
