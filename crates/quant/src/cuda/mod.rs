@@ -11,6 +11,7 @@
 //!   tested in CI.
 //! - `kernels` and [`gpu`] (feature `cuda`): the CubeCL kernels and their launches; [`specs`]: the kernel
 //!   specialisations (comptime arguments) of those launches, all of them listed once.
+//! - [`paged_rows`]: where each query row of the attention reads (page tables, lengths).
 //! - [`attention_dims`]: the decode attention's second kernel, lanes over the latent's dimensions (its launch
 //!   shapes always built, the kernel with feature `cuda`).
 //! - [`attention_merge`] (feature `cuda`): the merge of the attention's slices (the combine launch, and the merge the
@@ -25,6 +26,7 @@ pub mod dense_mma;
 pub mod dense_shapes;
 pub mod experts;
 pub mod gemm;
+pub mod paged_rows;
 pub mod prefill_attention;
 pub mod reference;
 pub mod resources;
