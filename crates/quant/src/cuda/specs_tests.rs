@@ -1,0 +1,179 @@
+//! Tests of the kernel specialisation lists (`specs`).
+use super::*;
+
+const KIMI: MoeShape = MoeShape { hidden: 7168, inter: 2048, experts: 384, group: 32 };
+
+/// On SM120 (99 KiB a block) the tuned shapes lose their 4-token passes at Kimi's width, and every launch
+/// they make fits; on an H200 (227 KiB) nothing changes.
+#[test]
+fn launch_shapes_fit_the_device_shared_memory() {
+    let (sm120, h200) = (101_376, 232_448);
+    let mut capped = 0;
+    for m in 1..=MAX_TOKENS {
+        let cfg = MoeConfig::for_tokens(m);
+        assert_eq!(cfg.fit_shared_memory(&KIMI, h200), cfg, "m {m}");
+        let fit = cfg.fit_shared_memory(&KIMI, sm120);
+        capped += usize::from(fit != cfg);
+        for tb in class_tbs(&fit) {
+            assert!(ExpertRowsSpec::gate_up(&KIMI, 8, &fit, tb).shared_bytes() <= sm120, "m {m} tb {tb}");
+            assert!(ExpertRowsSpec::down(&KIMI, 8, &fit, tb).shared_bytes() <= sm120, "m {m} tb {tb}");
+        }
+    }
+    assert!(capped > 0, "4-token passes of a 7168-wide input need 126 KiB: some shape must be capped");
+}
+
+/// The tensor-core shapes the launcher picks fit SM120's shared memory at every tokens-per-pass they run
+/// (so SM120 runs them, not the CUDA-core fallback); `shared_bytes` is what ptxas reported for two of them
+/// (`cargo xtask kernels --arch sm_90 --only mma`); a candidate too big for SM120 stays out of its specs.
+#[test]
+fn tensor_core_shapes_fit_the_device_shared_memory() {
+    let sm120 = 101_376;
+    for m in 1..=MAX_TOKENS {
+        let cfg = MoeConfig::for_tokens(m);
+        let mm = cfg.mma.expect("tensor cores at every width");
+        for tb in mma_class_tbs(&cfg) {
+            for spec in [ExpertMmaSpec::gate_up(&KIMI, 8, &mm, tb), ExpertMmaSpec::down(&KIMI, 8, &mm, tb)] {
+                assert!(spec.shared_bytes() <= sm120, "m {m}: {} needs {}", spec.label(), spec.shared_bytes());
+            }
+        }
+    }
+    let wide = MmaShape::new(8, 3, 1, 1, 2);
+    assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 1).shared_bytes(), 24_576);
+    assert_eq!(ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 16).shared_bytes(), 147_456);
+    let specs = moe_kernel_specs(&KIMI, 8, sm120);
+    assert!(!specs.contains(&KernelSpec::ExpertMma { spec: ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 16) }));
+    assert!(specs.contains(&KernelSpec::ExpertMma { spec: ExpertMmaSpec::gate_up(&KIMI, 8, &wide, 1) }));
+}
+
+#[test]
+fn attention_specs_fit_the_device() {
+    let h200 = attention_and_dense_specs(512, 64, &[7168], 232_448);
+    for hpw in [2, 4, 8] {
+        assert!(h200.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 8, hpw }));
+    }
+    let sm120 = attention_and_dense_specs(512, 64, &[7168], 101_376);
+    assert!(sm120.contains(&KernelSpec::MlaAttention { r: 512, rot: 64, warps: 1, hpw: 8 }));
+    assert!(!sm120.iter().any(|s| matches!(s, KernelSpec::MlaAttention { warps: 2.., hpw: 8, .. })));
+    // Every shape the launcher picks on SM120 and the H200 is in the list.
+    let spec_of = |c: crate::cuda::attention::AttentionConfig| match c.lanes {
+        crate::cuda::attention::Lanes::Keys => KernelSpec::MlaAttention { r: 512, rot: 64, warps: c.warps, hpw: c.hpw },
+        crate::cuda::attention::Lanes::Dims { key_warps, groups } => KernelSpec::MlaAttentionDims {
+            r: 512,
+            rot: 64,
+            shape: crate::cuda::attention_dims::DimShape { wh: c.warps, wk: key_warps, hpw: c.hpw, sg: groups },
+        },
+    };
+    for (rows, ctx) in [(1, 64), (1, 1024), (1, 8192), (8, 1024), (8, 8192), (32, 1024), (1024, 1024)] {
+        for heads in [8, 16, 32, 64, 128] {
+            let c = crate::cuda::attention::AttentionConfig::pick(rows, heads, ctx, 512, 64, 188, 101_376).unwrap();
+            assert!(sm120.contains(&spec_of(c)), "{rows} rows x {ctx}, {heads} heads: {c:?}");
+            let c = crate::cuda::attention::AttentionConfig::pick(rows, heads, ctx, 512, 64, 132, 232_448).unwrap();
+            assert!(h200.contains(&spec_of(c)), "{rows} rows x {ctx}, {heads} heads: {c:?}");
+        }
+    }
+    // The dim lanes' shapes: all three on the H200, the 92 KB one on SM120.
+    assert_eq!(h200.iter().filter(|s| matches!(s, KernelSpec::MlaAttentionDims { .. })).count(), 3);
+    let dims120: Vec<_> = sm120.iter().filter(|s| matches!(s, KernelSpec::MlaAttentionDims { .. })).collect();
+    assert_eq!(
+        dims120,
+        [&KernelSpec::MlaAttentionDims { r: 512, rot: 64, shape: crate::cuda::attention_dims::FEW_HEADS_WIDE }]
+    );
+    assert!(sm120.iter().filter(|s| matches!(s, KernelSpec::Gemv { .. })).count() >= 4);
+    for specs in [&h200, &sm120] {
+        assert!(specs.iter().any(|s| matches!(s, KernelSpec::MhaPrefill { .. })));
+        assert!(specs.contains(&KernelSpec::MlaCombine { r: 128 }));
+    }
+}
+
+#[test]
+fn mla_specs_cover_every_launch_the_model_picks() {
+    let specs = mla_and_norm_specs(&KIMI_NORM_WIDTHS);
+    for heads in [64, 32, 16, 8] {
+        for n in 1..=300 {
+            let (tb, groups) = crate::cuda::mla::query_launch(n, 128);
+            for interleave in [false, true] {
+                let q = KernelSpec::MlaQuery { heads, dims: (128, 64, 128, 512), tb, groups, interleave };
+                assert!(specs.contains(&q), "{q:?}");
+            }
+            let (tb, ra, warps) = crate::cuda::mla::output_launch(n, 128);
+            for merge in [false, true] {
+                let o = KernelSpec::MlaOutput { heads, dims: (128, 128, 512), ra, tb, warps, merge };
+                let merges = crate::cuda::mla::output_merges((tb, ra, warps));
+                assert_eq!(specs.contains(&o), !merge || merges, "{o:?}");
+            }
+            // One row (a batch-1 decode step) merges the attention's slices in the output launch.
+            assert_eq!(n == 1, crate::cuda::mla::output_merges((tb, ra, warps)), "{n} rows");
+        }
+    }
+    assert!(specs.contains(&KernelSpec::RmsNorm { width: 7168, add: true }));
+    assert!(specs.contains(&KernelSpec::MlaLatent { r: 512, rot: 64, interleave: true }));
+}
+
+#[test]
+fn mma_specs_take_the_shapes_the_kernel_can() {
+    let m = MmaShape::new(2, 2, 2, 4, 2);
+    let g = ExpertMmaSpec::gate_up(&KIMI, 8, &m, 1);
+    let d = ExpertMmaSpec::down(&KIMI, 8, &m, 1);
+    assert!(g.fits() && d.fits());
+    // 2048 units of 16 per task, 2 tasks a block; 7168 rows of 32 per task, 4 tasks a block.
+    assert_eq!((g.row_tiles(), d.row_tiles()), (64, 56));
+    assert_eq!((g.cube_dim().y, d.cube_dim().y), (4, 8));
+    // The fixtures' 64-wide models (k not a multiple of 128) and rows that are not whole tiles take the
+    // CUDA-core kernels.
+    let tiny = MoeShape { hidden: 64, inter: 32, experts: 8, group: 32 };
+    assert!(!ExpertMmaSpec::gate_up(&tiny, 2, &m, 1).fits());
+    let odd = MoeShape { hidden: 1024, inter: 136, experts: 8, group: 32 };
+    assert!(!ExpertMmaSpec::gate_up(&odd, 2, &m, 1).fits());
+    assert!(!ExpertMmaSpec::down(&odd, 2, &m, 1).fits());
+    let zero = MmaShape { tiles_2: 0, ..m };
+    assert!(!ExpertMmaSpec::down(&KIMI, 8, &zero, 1).fits());
+}
+
+#[test]
+fn kimi_specialisations_cover_every_tuned_shape() {
+    let specs = moe_kernel_specs(&KIMI, 8, 232_448);
+    let rows: Vec<(Act, ExpertRowsSpec)> = specs
+        .iter()
+        .filter_map(|s| match s {
+            KernelSpec::ExpertRows { act, spec } => Some((*act, *spec)),
+            _ => None,
+        })
+        .collect();
+    for m in [1, 2, 3, 8, 32, 128, 256] {
+        let cfg = MoeConfig::for_tokens(m);
+        for tb in class_tbs(&cfg).into_iter().take(m) {
+            for act in [Act::Bf16, Act::F32] {
+                assert!(rows.contains(&(act, ExpertRowsSpec::gate_up(&KIMI, 8, &cfg, tb))), "m {m} tb {tb}");
+            }
+            assert!(rows.contains(&(Act::F32, ExpertRowsSpec::down(&KIMI, 8, &cfg, tb))), "m {m} tb {tb}");
+        }
+        // The tensor-core path the tuned shape takes at Kimi's shape (its own tokens per pass).
+        let mm = cfg.mma.expect("every tuned shape runs on tensor cores");
+        for tb in mma_class_tbs(&cfg).into_iter().take(m) {
+            assert!(MMA_TBS.contains(&tb), "m {m} tb {tb}");
+            for spec in [ExpertMmaSpec::gate_up(&KIMI, 8, &mm, tb), ExpertMmaSpec::down(&KIMI, 8, &mm, tb)] {
+                assert!(spec.fits(), "m {m} tb {tb}");
+                assert!(specs.contains(&KernelSpec::ExpertMma { spec }), "m {m} tb {tb}: {spec:?}");
+            }
+        }
+    }
+    // Prefill widths: experts with 3+ tokens take 8 or 16 a pass on tensor cores (4-8x fewer reads of their
+    // weights than the CUDA-core kernels' 2), and those shapes are listed too.
+    assert_eq!(mma_class_tbs(&MoeConfig::for_tokens(512)), [1, 2, 8]);
+    assert_eq!(mma_class_tbs(&MoeConfig::for_tokens(8192)), [1, 2, 16]);
+    let mm = MoeConfig::for_tokens(8192).mma.unwrap();
+    for spec in [ExpertMmaSpec::gate_up(&KIMI, 8, &mm, 16), ExpertMmaSpec::down(&KIMI, 8, &mm, 16)] {
+        assert!(specs.contains(&KernelSpec::ExpertMma { spec }), "{spec:?}");
+    }
+    for (act, k) in [(Act::Bf16, 7168), (Act::F32, 7168), (Act::F32, 2048)] {
+        assert!(specs.contains(&KernelSpec::SplitX3 { act, k }));
+    }
+    // One token fills only 1-token experts: its 16-warp shape never runs with 2 or 4 tokens per pass.
+    let one = MoeConfig::for_tokens(1);
+    assert!(!rows.iter().any(|(_, r)| r.warps == one.warps && r.tb > 1));
+    assert!(rows.iter().all(|(_, r)| r.address == AddressType::U32));
+    assert_eq!(specs.iter().filter(|s| matches!(s, KernelSpec::Combine { .. })).count(), 2);
+    // gate/up at hidden 7168 with 4 tokens per pass stages 126 KiB of activations.
+    let big = rows.iter().map(|(_, r)| r.shared_bytes()).max().unwrap();
+    assert_eq!(big, 129_024);
+}
