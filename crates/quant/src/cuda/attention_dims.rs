@@ -71,6 +71,19 @@ pub struct DimShape {
     pub sg: usize,
 }
 
+impl DimShape {
+    /// The launch of this shape in `splits` slices of `chunk` positions.
+    pub fn config(&self, splits: usize, chunk: usize) -> super::attention::AttentionConfig {
+        super::attention::AttentionConfig {
+            lanes: super::attention::Lanes::Dims { key_warps: self.wk, groups: self.sg },
+            warps: self.wh,
+            hpw: self.hpw,
+            splits,
+            chunk,
+        }
+    }
+}
+
 /// Few heads (at most [`FEW_HEADS`](super::attention::FEW_HEADS): a tensor-parallel rank's) over at least
 /// [`WIDE_POSITIONS`] positions: one warp of 8 heads x 4 key warps, 92 KB a block (two a multiprocessor on the H200,
 /// one on SM120). 8 heads, 8 rows over 8k: 133.1 us (key lanes) -> 82.7; 32 rows over 8k 472.6 -> 274.2 (session
@@ -121,13 +134,7 @@ pub fn pick(
     let per_split = rows * heads.div_ceil(s.wh * s.hpw);
     let want = (sms * per_sm / per_split).clamp(1, max_len.div_ceil(64));
     let chunk = max_len.div_ceil(want).next_multiple_of(64);
-    Some(super::attention::AttentionConfig {
-        lanes: super::attention::Lanes::Dims { key_warps: s.wk, groups: s.sg },
-        warps: s.wh,
-        hpw: s.hpw,
-        splits: max_len.div_ceil(chunk),
-        chunk,
-    })
+    Some(s.config(max_len.div_ceil(chunk), chunk))
 }
 
 /// Whether [`pick`] picks the dim lanes at all: on unless `EYRIE_ATTENTION_DIMS=0` (read once), for same-binary
@@ -143,13 +150,7 @@ pub fn variants(r: usize, rot: usize, smem: usize) -> Vec<super::attention::Atte
     PICKED
         .iter()
         .filter(|s| dims_refusal(r, rot, s.wh, s.wk, s.hpw, s.sg, smem).is_none())
-        .map(|s| super::attention::AttentionConfig {
-            lanes: super::attention::Lanes::Dims { key_warps: s.wk, groups: s.sg },
-            warps: s.wh,
-            hpw: s.hpw,
-            splits: 1,
-            chunk: 32,
-        })
+        .map(|s| s.config(1, 32))
         .collect()
 }
 
