@@ -2,7 +2,7 @@
 //! runs on a CUDA machine, built with `--features cuda`.
 //!
 //! ```text
-//! gpu_attention [--json FILE] [--quick] [--sweep] [--small] [--dims] [--heads 64] [--profile BATCHxCONTEXT]
+//! gpu_attention [--json FILE] [--quick] [--sweep] [--small] [--dims] [--mma] [--heads 64] [--profile BATCHxCONTEXT]
 //! ```
 //!
 //! Check: random never-zero queries and latents, page tables of shuffled blocks, decode rows of several sequences
@@ -21,7 +21,8 @@
 //! the benchmarks and sweeps with N heads instead of 64 (8: one rank's share under `--tp-size 8`). `--dims`: the
 //! dim-lane kernel's shapes (`attention_dims`) x slice lengths in GPU time beside the automatic launch, on one cache
 //! a case (the same for every launch: at 1k and at one row over 8k it stays in L2, so the % of the copy bandwidth
-//! there is the L2's, not DRAM's).
+//! there is the L2's, not DRAM's). `--mma`: the same sweep with the tensor-core kernel's shapes (`attention_mma`)
+//! instead of the dim lanes', beside the automatic key-lane launch and the picked one.
 
 use std::time::Instant;
 
@@ -34,6 +35,7 @@ use eyrie_quant::cuda::attention::{
     mla_attention_reference, write_rows,
 };
 use eyrie_quant::cuda::attention_dims::dims_refusal;
+use eyrie_quant::cuda::attention_mma::{MMA_SHAPES, mma_refusal};
 use eyrie_quant::cuda::{BehindCopy, copy_bandwidth};
 
 type R = CudaRuntime;
@@ -122,6 +124,11 @@ fn shape_label(cfg: &AttentionConfig) -> String {
             "dims: {} x {key_warps} warps x {} heads, {groups} groups, {} slices",
             cfg.warps, cfg.hpw, cfg.splits
         ),
+        Lanes::Mma { tiles, positions } => format!(
+            "tensor cores: {tiles} head tiles x {} warps, {positions} positions a stage, {} slices",
+            cfg.warps / tiles,
+            cfg.splits
+        ),
     }
 }
 
@@ -175,6 +182,16 @@ fn check(
             ));
         }
     }
+    // The tensor-core kernel's shapes (where it takes the latent), at the automatic slices and at one slice.
+    for shape in MMA_SHAPES {
+        if mma_refusal(case.r, case.rot, shape, smem).is_none() && 16 * shape.tiles <= case.heads.next_multiple_of(16) {
+            let chunk = auto.chunk.next_multiple_of(shape.pt);
+            let cfg = shape.config(max_len.div_ceil(chunk), chunk);
+            launches.push((format!("tensor cores {shape:?}"), cfg));
+            let chunk = max_len.next_multiple_of(32);
+            launches.push((format!("tensor cores {shape:?}, one slice"), shape.config(1, chunk)));
+        }
+    }
     let mut all_ok = true;
     for (label, cfg) in launches {
         let out = client.empty(n * case.heads * case.r * 4);
@@ -217,7 +234,8 @@ fn main() -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
     let sweep = args.iter().any(|a| a == "--sweep");
     let small = args.iter().any(|a| a == "--small");
-    let dims = args.iter().any(|a| a == "--dims");
+    let mma = args.iter().any(|a| a == "--mma");
+    let dims = args.iter().any(|a| a == "--dims") || mma;
     let heads: usize = match args.iter().position(|a| a == "--heads") {
         Some(i) => args.get(i + 1).context("--heads needs a count")?.parse().context("--heads: not a count")?,
         None => 64,
@@ -559,8 +577,19 @@ fn main() -> Result<()> {
                 .ok_or_else(|| anyhow::anyhow!("no launch shape fits"))?;
             let picked = AttentionConfig::pick(batch, heads, ctx, r, rot, sms, smem);
             let mut candidates = vec![auto];
+            for shape in MMA_SHAPES {
+                if !mma || mma_refusal(r, rot, shape, smem).is_some() || 16 * shape.tiles > heads.next_multiple_of(16) {
+                    continue;
+                }
+                for chunk in [32usize, 64, 128, 256, 512, 1024, 2048, 4096] {
+                    if chunk <= ctx {
+                        candidates.push(shape.config(ctx.div_ceil(chunk), chunk));
+                    }
+                }
+            }
             for (wh, wk, hpw, sg) in DIM_SHAPES {
-                if dims_refusal(r, rot, wh, wk, hpw, sg, smem).is_some() || wh * hpw > heads.next_multiple_of(8) {
+                if mma || dims_refusal(r, rot, wh, wk, hpw, sg, smem).is_some() || wh * hpw > heads.next_multiple_of(8)
+                {
                     continue;
                 }
                 for chunk in [64usize, 128, 256, 512, 1024, 2048, 4096] {
@@ -602,6 +631,9 @@ fn main() -> Result<()> {
                     Lanes::Keys => ("keys (auto)", format!("{}", cfg.warps), "-".to_string()),
                     Lanes::Dims { key_warps, groups } => {
                         ("dims", format!("{} x {key_warps}", cfg.warps), groups.to_string())
+                    }
+                    Lanes::Mma { tiles, positions } => {
+                        ("tensor cores", format!("{tiles} tiles x {}", cfg.warps / tiles), positions.to_string())
                     }
                 };
                 if cfg == auto {

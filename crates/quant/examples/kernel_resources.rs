@@ -324,6 +324,9 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                 KernelSpec::MlaAttentionDims { r, rot, shape: s } => {
                     json!({"r": r, "rot": rot, "head_warps": s.wh, "key_warps": s.wk, "heads_per_warp": s.hpw, "groups": s.sg})
                 }
+                KernelSpec::MlaAttentionMma { r, rot, shape: s } => {
+                    json!({"r": r, "rot": rot, "tiles": s.tiles, "warps_a_tile": s.wk, "positions": s.pt})
+                }
                 KernelSpec::MlaCombine { r } => json!({"r": r}),
                 KernelSpec::MhaPrefill { dims } => json!({"nope": dims.nope, "rot": dims.rot, "vd": dims.vd}),
                 KernelSpec::ArgmaxRows => json!({}),

@@ -98,6 +98,14 @@ pub enum Lanes {
         /// Key groups a key warp takes from each stage of latents.
         groups: usize,
     },
+    /// Tensor cores at f32 accuracy ([`super::attention_mma`]): `tiles` head tiles of 16 heads a block, `warps /
+    /// tiles` warps each (`hpw` = 16 of them a tile), `positions` positions a stage.
+    Mma {
+        /// Head tiles of 16 heads a block (1 or 2).
+        tiles: usize,
+        /// Positions a stage of latents (16 or 32).
+        positions: usize,
+    },
 }
 
 /// Launch shape of the attention: the kernel, warps per block, heads per warp and slices per query row.
@@ -178,8 +186,8 @@ impl AttentionConfig {
     }
 
     /// The launch for `rows` query rows of `heads` heads over at most `max_len` positions, latents of `r + rot`:
-    /// the dim-lane kernel where it is the faster one ([`super::attention_dims::pick`]), else the key-lane shape of
-    /// [`Self::new`].
+    /// the tensor-core kernel for more than [`FEW_HEADS`] heads ([`super::attention_mma::pick`]), else the dim-lane
+    /// kernel where it is the faster one ([`super::attention_dims::pick`]), else the key-lane shape of [`Self::new`].
     pub fn pick(
         rows: usize,
         heads: usize,
@@ -189,7 +197,8 @@ impl AttentionConfig {
         sms: usize,
         smem: usize,
     ) -> Option<Self> {
-        super::attention_dims::pick(rows, heads, max_len, r, rot, sms, smem)
+        super::attention_mma::pick(rows, heads, max_len, r, rot, sms, smem)
+            .or_else(|| super::attention_dims::pick(rows, heads, max_len, r, rot, sms, smem))
             .or_else(|| Self::new(rows, heads, max_len, r + rot, sms, smem))
     }
 
@@ -602,6 +611,9 @@ pub(crate) mod gpu {
         let out = client.empty(heads * r * 4);
         let mut variants = AttentionConfig::variants(heads, d, smem);
         variants.extend(crate::cuda::attention_dims::variants(r, rot, smem));
+        if heads > super::FEW_HEADS {
+            variants.extend(crate::cuda::attention_mma::variants(r, rot, smem));
+        }
         for cfg in &variants {
             let cfg = AttentionConfig { splits: 2, ..*cfg };
             mla_attention(client, &q, cache, slots, &rows, &meta, &out, heads, r, rot, 1.0, cfg)?;
@@ -685,6 +697,16 @@ pub(crate) mod gpu {
                 crate::cuda::attention_dims::dims_refusal(r, rot, cfg.warps, key_warps, cfg.hpw, groups, smem)
             {
                 return Err(format!("mla_attention: {why}"));
+            }
+        }
+        if let super::Lanes::Mma { tiles, positions } = cfg.lanes {
+            let smem = client.properties().hardware.max_shared_memory_size;
+            let shape = crate::cuda::attention_mma::MmaShape { tiles, wk: cfg.warps / tiles.max(1), pt: positions };
+            if let Some(why) = crate::cuda::attention_mma::mma_refusal(r, rot, shape, smem) {
+                return Err(format!("mla_attention: {why}"));
+            }
+            if shape.config(cfg.splits, cfg.chunk) != cfg || !cfg.chunk.is_multiple_of(positions) {
+                return Err(format!("mla_attention: launch shape {cfg:?} (tensor cores: 16 heads a tile)"));
             }
         }
         rows.validate(slots).map_err(|e| format!("mla_attention: {e}"))?;
@@ -777,6 +799,31 @@ pub(crate) mod gpu {
                         key_warps,
                         cfg.hpw,
                         sg,
+                    )
+                }
+                super::Lanes::Mma { tiles, positions } => {
+                    crate::cuda::attention_mma::mla_attention_mma_kernel::launch_unchecked::<R>(
+                        client,
+                        CubeCount::Static(groups, cfg.splits as u32, rows_u),
+                        CubeDim::new_2d(32, cfg.warps as u32),
+                        address,
+                        4,
+                        q,
+                        cache,
+                        meta,
+                        o_arg,
+                        ml_arg,
+                        rows_u,
+                        heads_u,
+                        max_blocks,
+                        block_size,
+                        chunk_u,
+                        scale,
+                        r,
+                        rot,
+                        tiles,
+                        cfg.warps / tiles,
+                        positions,
                     )
                 }
             }

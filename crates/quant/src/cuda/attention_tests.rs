@@ -170,7 +170,7 @@ fn the_dim_lanes_are_picked_where_the_h200_measured_them_faster() {
         Lanes::Dims { key_warps, groups } => {
             Some(crate::cuda::attention_dims::DimShape { wh: c.warps, wk: key_warps, hpw: c.hpw, sg: groups })
         }
-        Lanes::Keys => None,
+        Lanes::Keys | Lanes::Mma { .. } => None,
     };
     // Session 22's sweep (`gpu_attention --dims`): the best shape and slice length of each case.
     let c = h200(8, 8, 8192);
@@ -181,20 +181,15 @@ fn the_dim_lanes_are_picked_where_the_h200_measured_them_faster() {
     assert_eq!((dims(c), c.chunk), (Some(FEW_HEADS_NARROW), 64));
     let c = h200(32, 8, 1024);
     assert_eq!((dims(c), c.chunk), (Some(FEW_HEADS_NARROW), 256));
-    let c = h200(1, 64, 8192);
-    assert_eq!((dims(c), c.chunk, c.splits), (Some(MANY_HEADS), 128, 64));
-    let c = h200(8, 64, 1024);
-    assert_eq!((dims(c), c.chunk), (Some(MANY_HEADS), 128));
-    let c = h200(8, 64, 8192);
-    assert_eq!((dims(c), c.chunk), (Some(MANY_HEADS), 1024));
-    // Many heads over few positions keep the key lanes (as fast there), as does a latent the dim lanes refuse.
-    assert_eq!(h200(1, 64, 1024), AttentionConfig::new(1, 64, 1024, 576, 132, 227 * 1024).unwrap());
+    // 64 heads take the tensor cores since session 23 (`the_tensor_cores_are_picked_for_many_heads`); the dim lanes'
+    // many-heads shape stays the pick where those are off or refused.
+    let _ = MANY_HEADS;
     let small = AttentionConfig::pick(8, 8, 8192, 64, 8, 132, 227 * 1024).unwrap();
     assert_eq!(small, AttentionConfig::new(8, 8, 8192, 72, 132, 227 * 1024).unwrap());
-    // SM120 (99 KB a block): few heads take the 92 KB shape at any size, 64 heads the key lanes.
+    // SM120 (99 KB a block): few heads take the 92 KB shape at any size, 64 heads the tensor cores (79 KB).
     let sm120 = |rows, heads, ctx| AttentionConfig::pick(rows, heads, ctx, 512, 64, 188, 99 * 1024).unwrap();
     assert_eq!(dims(sm120(1, 8, 1024)), Some(FEW_HEADS_WIDE));
-    assert_eq!(dims(sm120(8, 64, 8192)), None);
+    assert!(matches!(sm120(8, 64, 8192).lanes, Lanes::Mma { .. }));
     assert!(dims_shared_bytes(512, 64, 1, 4, 8, 1) <= 99 * 1024);
     // Every pick covers its rows' positions in slices of whole 64s, and a thousand rows take one slice.
     for (rows, heads, ctx) in [(1, 8, 1000), (3, 16, 70_000), (8, 32, 8191), (128, 64, 8192), (1024, 64, 1024)] {
@@ -205,4 +200,40 @@ fn the_dim_lanes_are_picked_where_the_h200_measured_them_faster() {
         }
     }
     assert_eq!(h200(1024, 64, 1024).splits, 1);
+}
+
+#[test]
+fn the_tensor_cores_are_picked_for_many_heads() {
+    use crate::cuda::attention_mma::{MMA_PICKED, mma_shared_bytes};
+    let h200 = |rows, heads, ctx| AttentionConfig::pick(rows, heads, ctx, 512, 64, 132, 227 * 1024).unwrap();
+    // Session 23's sweep (`gpu_attention --mma`, 64 heads): the picked shape's best slice length at each case.
+    for (rows, ctx, chunk) in [(1, 1024, 32), (1, 8192, 128), (8, 1024, 128), (8, 8192, 1024), (32, 1024, 512)] {
+        let c = h200(rows, 64, ctx);
+        assert_eq!(c, MMA_PICKED.config(ctx.div_ceil(chunk), chunk), "{rows} x {ctx}");
+        assert_eq!(c.blocks(rows, 64), rows * 4 * c.splits);
+    }
+    // 32 heads too (`--tp-size 2`); 16 and fewer keep the dim lanes (half a tile of 16 heads would be padding).
+    assert!(matches!(h200(3, 32, 1025).lanes, Lanes::Mma { tiles: 1, positions: 16 }));
+    assert!(matches!(h200(8, 16, 8192).lanes, Lanes::Dims { .. }));
+    assert!(matches!(h200(8, 8, 8192).lanes, Lanes::Dims { .. }));
+    // A latent the kernel refuses (r not a multiple of 128) falls back to the CUDA-core kernels.
+    let small = AttentionConfig::pick(8, 64, 8192, 64, 8, 132, 227 * 1024).unwrap();
+    assert!(!matches!(small.lanes, Lanes::Mma { .. }));
+    // Two blocks a multiprocessor on the H200, one on SM120 (99 KB); refused where a block does not fit.
+    assert_eq!(mma_shared_bytes(512, 64, MMA_PICKED), 78_880);
+    assert!(crate::cuda::attention_mma::pick(1, 64, 8192, 512, 64, 132, 64 * 1024).is_none());
+    let c = crate::cuda::attention_mma::pick(1, 64, 8192, 512, 64, 188, 99 * 1024).unwrap();
+    assert!((94..=188).contains(&c.blocks(1, 64)), "{c:?}");
+}
+
+#[test]
+fn the_tensor_core_refusals_name_what_does_not_fit() {
+    use crate::cuda::attention_mma::{MmaShape, mma_refusal};
+    let ok = MmaShape { tiles: 1, wk: 4, pt: 16 };
+    assert!(mma_refusal(512, 64, ok, 227 * 1024).is_none());
+    assert!(mma_refusal(64, 8, ok, 227 * 1024).unwrap().contains("r a multiple of 128"));
+    assert!(mma_refusal(512, 60, ok, 227 * 1024).unwrap().contains("r + rot of 16"));
+    let bad = MmaShape { tiles: 1, wk: 16, pt: 16 };
+    assert!(mma_refusal(512, 64, bad, 227 * 1024).unwrap().contains("1 head tiles x 16 warps"));
+    assert!(mma_refusal(512, 64, ok, 64 * 1024).unwrap().contains("78880 bytes of shared memory"));
 }

@@ -14,6 +14,8 @@
 //! - [`paged_rows`]: where each query row of the attention reads (page tables, lengths).
 //! - [`attention_dims`]: the decode attention's second kernel, lanes over the latent's dimensions (its launch
 //!   shapes always built, the kernel with feature `cuda`).
+//! - [`attention_mma`]: the decode attention's third kernel, on tensor cores at f32 accuracy (its launch shapes
+//!   always built, the kernel with feature `cuda`).
 //! - [`attention_merge`] (feature `cuda`): the merge of the attention's slices (the combine launch, and the merge the
 //!   MLA output launch runs itself at one token).
 //! - [`resources`]: ptxas resource reports and per-architecture block limits; [`offline`] (feature `cuda`): the
@@ -21,6 +23,7 @@
 
 pub mod attention;
 pub mod attention_dims;
+pub mod attention_mma;
 pub mod dense;
 pub mod dense_mma;
 pub mod dense_shapes;

@@ -19,6 +19,7 @@ use half::bf16;
 
 use super::attention::{mla_attention_kernel, mla_combine_kernel};
 use super::attention_dims::{DimShape, mla_attention_dims_kernel};
+use super::attention_mma::{MmaShape, mla_attention_mma_kernel};
 use super::dense::{gemv_bf16_kernel, gemv_norm_kernel, gemv_pair_kernel, gemv_swiglu_kernel};
 use super::gemm::{split_bf16x3_kernel, sum3_kernel};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
@@ -329,6 +330,46 @@ fn define_mla_attention_dims(r: usize, rot: usize, shape: DimShape, props: &Devi
     );
     let name = format!("mla_attention_dims_kernel_n_{VEC}");
     let dim = CubeDim::new_2d(32, (shape.wh * shape.wk) as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
+
+fn define_mla_attention_mma(r: usize, rot: usize, shape: MmaShape, props: &DeviceProperties) -> KernelDefinition {
+    use mla_attention_mma_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
+    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
+    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    mla_attention_mma_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        q,
+        cache,
+        meta,
+        o_part,
+        ml_part,
+        n_rows,
+        heads,
+        max_blocks,
+        block_size,
+        chunk,
+        scale,
+        r,
+        rot,
+        shape.tiles,
+        shape.wk,
+        shape.pt,
+    );
+    let name = format!("mla_attention_mma_kernel_n_{VEC}");
+    let dim = CubeDim::new_2d(32, (shape.tiles * shape.wk) as u32);
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
 }
 
@@ -870,6 +911,9 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         }
         KernelSpec::MlaAttentionDims { r, rot, shape } => {
             (define_mla_attention_dims(*r, *rot, *shape, &props), AddressType::U32)
+        }
+        KernelSpec::MlaAttentionMma { r, rot, shape } => {
+            (define_mla_attention_mma(*r, *rot, *shape, &props), AddressType::U32)
         }
         KernelSpec::MlaCombine { r } => (define_mla_combine(*r, &props), AddressType::U32),
         KernelSpec::MhaPrefill { dims } => (define_mha_prefill(*dims, &props), AddressType::U32),

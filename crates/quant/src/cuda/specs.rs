@@ -358,6 +358,15 @@ pub enum KernelSpec {
         /// The launch shape.
         shape: crate::cuda::attention_dims::DimShape,
     },
+    /// `attention_mma::mla_attention_mma_kernel` (the same attention on tensor cores at f32 accuracy).
+    MlaAttentionMma {
+        /// Latent rank (value width).
+        r: usize,
+        /// Rotary width.
+        rot: usize,
+        /// The launch shape.
+        shape: crate::cuda::attention_mma::MmaShape,
+    },
     /// `attention::mla_combine_kernel` (merge of a row's slices).
     MlaCombine {
         /// Latent rank (value width).
@@ -498,6 +507,7 @@ impl KernelSpec {
             Self::Combine { .. } | Self::Copy => CubeDim::new_1d(256),
             Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
             Self::MlaAttentionDims { shape, .. } => CubeDim::new_2d(32, (shape.wh * shape.wk) as u32),
+            Self::MlaAttentionMma { shape, .. } => CubeDim::new_2d(32, (shape.tiles * shape.wk) as u32),
             Self::MlaCombine { .. } => CubeDim::new_1d(128),
             Self::MhaPrefill { .. } => CubeDim::new_1d(crate::cuda::prefill_attention::THREADS as u32),
             Self::ArgmaxRows => CubeDim::new_1d(crate::cuda::sampling::ARGMAX_THREADS as u32),
@@ -530,6 +540,9 @@ impl KernelSpec {
             Self::MlaAttention { r, rot, warps, hpw } => format!("mla_attention r{r} rot{rot} warps{warps} hpw{hpw}"),
             Self::MlaAttentionDims { r, rot, shape: s } => {
                 format!("mla_attention_dims r{r} rot{rot} wh{} wk{} hpw{} sg{}", s.wh, s.wk, s.hpw, s.sg)
+            }
+            Self::MlaAttentionMma { r, rot, shape: s } => {
+                format!("mla_attention_mma r{r} rot{rot} tiles{} wk{} pt{}", s.tiles, s.wk, s.pt)
             }
             Self::MlaCombine { r } => format!("mla_combine r{r}"),
             Self::MhaPrefill { dims } => format!("mha_prefill nope{} rot{} vd{}", dims.nope, dims.rot, dims.vd),
@@ -675,6 +688,10 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
         {
             out.push(KernelSpec::MlaAttentionDims { r, rot, shape });
         }
+    }
+    let shape = crate::cuda::attention_mma::MMA_PICKED;
+    if crate::cuda::attention_mma::mma_refusal(r, rot, shape, smem_limit).is_none() {
+        out.push(KernelSpec::MlaAttentionMma { r, rot, shape });
     }
     out.push(KernelSpec::MlaCombine { r });
     // The prefill chunks' MHA form at Kimi-K2's head dimensions (its value width merges segments), where it fits.

@@ -62,6 +62,11 @@ fn attention_specs_fit_the_device() {
             rot: 64,
             shape: crate::cuda::attention_dims::DimShape { wh: c.warps, wk: key_warps, hpw: c.hpw, sg: groups },
         },
+        crate::cuda::attention::Lanes::Mma { tiles, positions } => KernelSpec::MlaAttentionMma {
+            r: 512,
+            rot: 64,
+            shape: crate::cuda::attention_mma::MmaShape { tiles, wk: c.warps / tiles, pt: positions },
+        },
     };
     for (rows, ctx) in [(1, 64), (1, 1024), (1, 8192), (8, 1024), (8, 8192), (32, 1024), (1024, 1024)] {
         for heads in [8, 16, 32, 64, 128] {
