@@ -247,7 +247,7 @@ pub fn mla_absorbed<B: Backend>(
         mla_attention_parts(&client, &query, &pc.handle, slots, rows, &meta, &o_lat, heads, r, rot, scale as f32, cfg)
             .ok()?;
     let (tb, ra, warps) = output_launch(n, vd);
-    let merge = parts.splits > 1 && output_merges((tb, ra, warps));
+    let merge = parts.splits > 1 && output_merges((tb, ra, warps)) && output_merge_on();
     if !merge {
         // A launch shape that cannot merge: the separate combine (if split), into `o_lat`.
         eyrie_quant::cuda::attention::merge_parts(&client, &parts, n * heads, r, &o_lat);
@@ -283,6 +283,13 @@ pub fn mla_absorbed<B: Backend>(
         );
     }
     back::<B, 2>(Cube::new_contiguous(client, qc.device.clone(), Shape::new([n, heads * vd]), out, DType::F32))
+}
+
+/// Whether a one-row output launch merges the attention's slices itself: on unless `EYRIE_OUTPUT_MERGE=0` (read
+/// once; then the combine launch merges them first), for same-binary comparisons.
+fn output_merge_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EYRIE_OUTPUT_MERGE").map_or(true, |v| v != "0"))
 }
 
 /// Writes the step's new latents into `pool` `[P, r + rot]` in place with [`mla_latent_kernel`] from the

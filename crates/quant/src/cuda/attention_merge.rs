@@ -25,7 +25,7 @@ pub fn mla_combine_kernel<N: Size>(
     let tid = UNIT_POS as usize;
     let rv = comptime!(r / 4);
     let mut acc = Array::<f32>::new(comptime!(4 * (r / 4).div_ceil(128)));
-    merge_slices::<N>(o_part, ml_part, &mut acc, pairs as usize, splits as usize, rh, tid, r);
+    merge_slices::<N>(o_part, ml_part, &mut acc, pairs as usize, splits as usize, rh, tid, r, 1usize);
     #[unroll]
     for it in 0..comptime!((r / 4).div_ceil(128)) {
         let c4 = it * 128 + tid;
@@ -40,15 +40,17 @@ pub fn mla_combine_kernel<N: Size>(
     }
 }
 
-/// The merge of (row, head) `rh`'s slices by the block's first 128 threads (the others, if any, only take
-/// part in its barriers; every thread of the block must call it): into `acc` (`4 * ceil(r / 512)` floats),
-/// thread `tid`'s 4-float vectors `tid, tid + 128, ...` of `sum_s w_s o_s / sum_s w_s`, `w_s = l_s exp(m_s -
-/// max m)` over the slices' normalized outputs `o_part` `[splits, pairs, r]` and their `(m, l)` in `ml_part`.
-/// The maximum is a block reduction; then, 128 slices at a time, each thread computes one slice's weight into
-/// shared memory and every thread adds the slices' vectors 8 at a time (8 independent 16-byte loads in flight:
-/// one load after another, as a loop of dependent adds, made the merge ~42 us at 33 slices, one row of Kimi's
-/// 64 heads: more than the attention it merges). Slices in order, as the CPU reference adds them; a slice with
-/// `l = 0` (no positions) weighs 0 (its output is written as zeros by the attention kernel).
+/// The merge of (row, head) `rh`'s slices by the block's first `128 * halves` threads (the others, if any, only
+/// take part in its barriers; every thread of the block must call it): into `acc` (`4 * ceil(r / 512)` floats) of
+/// the first 128 threads, thread `tid`'s 4-float vectors `tid, tid + 128, ...` of `sum_s w_s o_s / sum_s w_s`, `w_s
+/// = l_s exp(m_s - max m)` over the slices' normalized outputs `o_part` `[splits, pairs, r]` and their `(m, l)` in
+/// `ml_part`. The maximum is a block reduction; then, `128 * halves` slices at a time, each thread computes one
+/// slice's weight into shared memory and thread `tid` adds every `halves`-th slice of them (from `tid / 128`) to
+/// its vectors, 8 at a time (8 independent 16-byte loads in flight: one load after another, as a loop of dependent
+/// adds, made the merge ~42 us at 33 slices, one row of Kimi's 64 heads: more than the attention it merges); with
+/// `halves` 2 each thread's chain of loads is half as long, and the second half's sums are added to the first's
+/// through shared memory at the end. A slice with `l = 0` (no positions) weighs 0 (its output is written as zeros
+/// by the attention kernel).
 #[cube]
 #[allow(clippy::manual_div_ceil, clippy::too_many_arguments)]
 pub fn merge_slices<N: Size>(
@@ -60,34 +62,42 @@ pub fn merge_slices<N: Size>(
     rh: usize,
     tid: usize,
     #[comptime] r: usize,
+    #[comptime] halves: usize,
 ) {
-    let active = tid < 128;
+    let width = comptime!(128 * halves);
+    let active = tid < width;
+    let c = tid % 128;
+    let half = tid / 128;
     let rv = comptime!(r / 4);
     let nv = comptime!((r / 4).div_ceil(128));
 
     let mut mx = f32::new(-1.0e30);
-    for i in 0..(splits + 127) / 128 {
-        let sp = i * 128 + tid;
+    for i in 0..(splits + width - 1) / width {
+        let sp = i * width + tid;
         if active && sp < splits && ml_part[(sp * pairs + rh) * 2 + 1] > f32::new(0.0) {
             mx = f32::max(mx, ml_part[(sp * pairs + rh) * 2]);
         }
     }
     mx = plane_max(mx);
-    let mut red = SharedMemory::<f32>::new(4usize);
+    let mut red = SharedMemory::<f32>::new(comptime!(4 * halves));
     if active && tid.is_multiple_of(32) {
         red[tid / 32] = mx;
     }
     sync_cube();
-    mx = f32::max(f32::max(red[0], red[1]), f32::max(red[2], red[3]));
+    mx = red[0];
+    #[unroll]
+    for w in 1..comptime!(4 * halves) {
+        mx = f32::max(mx, red[w]);
+    }
 
-    let mut wts = SharedMemory::<f32>::new(128usize);
+    let mut wts = SharedMemory::<f32>::new(comptime!(128 * halves));
     #[unroll]
     for a in 0..comptime!(4 * (r / 4).div_ceil(128)) {
         acc[a] = f32::new(0.0);
     }
     let mut den = f32::new(0.0);
-    for chunk in 0..(splits + 127) / 128 {
-        let sp = chunk * 128 + tid;
+    for chunk in 0..(splits + width - 1) / width {
+        let sp = chunk * width + tid;
         let mut wgt = f32::new(0.0);
         if active && sp < splits {
             let l = ml_part[(sp * pairs + rh) * 2 + 1];
@@ -101,28 +111,30 @@ pub fn merge_slices<N: Size>(
             wts[tid] = wgt;
         }
         sync_cube();
-        let mut here = splits - chunk * 128;
-        if here > 128 {
-            here = 128;
+        let mut here = splits - chunk * width;
+        if here > width {
+            here = width;
         }
-        for j8 in 0..(here + 7) / 8 {
+        // This thread's slices of the chunk: `half, half + halves, ..` below `here`.
+        let mine = (here + halves - 1 - half) / halves;
+        for j8 in 0..(mine + 7) / 8 {
             #[unroll]
             for it in 0..nv {
-                let c4 = it * 128 + tid;
+                let c4 = it * 128 + c;
                 if active && c4 < rv {
                     let mut v = Array::<Vector<f32, N>>::new(8usize);
                     #[unroll]
                     for u in 0..8usize {
-                        let j = j8 * 8 + u;
-                        if j < here {
-                            v[u] = o_part[((chunk * 128 + j) * pairs + rh) * rv + c4];
+                        let k = j8 * 8 + u;
+                        if k < mine {
+                            v[u] = o_part[((chunk * width + half + halves * k) * pairs + rh) * rv + c4];
                         }
                     }
                     #[unroll]
                     for u in 0..8usize {
-                        let j = j8 * 8 + u;
-                        if j < here {
-                            let wj = wts[j];
+                        let k = j8 * 8 + u;
+                        if k < mine {
+                            let wj = wts[half + halves * k];
                             #[unroll]
                             for e in 0..4usize {
                                 acc[4 * it + e] += wj * v[u][e];
@@ -131,11 +143,33 @@ pub fn merge_slices<N: Size>(
                     }
                 }
             }
+        }
+        for j8 in 0..(here + 7) / 8 {
             #[unroll]
             for u in 0..8usize {
                 let j = j8 * 8 + u;
                 if j < here {
                     den += wts[j];
+                }
+            }
+        }
+    }
+    if comptime!(halves > 1) {
+        // The other halves' sums into the first's, in order.
+        let mut rest = SharedMemory::<f32>::new(comptime!((halves - 1) * 4 * (r / 4).div_ceil(128) * 128));
+        if active && half > 0 {
+            #[unroll]
+            for a in 0..comptime!(4 * (r / 4).div_ceil(128)) {
+                rest[((half - 1) * comptime!(4 * (r / 4).div_ceil(128)) + a) * 128 + c] = acc[a];
+            }
+        }
+        sync_cube();
+        if half == 0 {
+            #[unroll]
+            for h in 1..halves {
+                #[unroll]
+                for a in 0..comptime!(4 * (r / 4).div_ceil(128)) {
+                    acc[a] += rest[((h - 1) * comptime!(4 * (r / 4).div_ceil(128)) + a) * 128 + c];
                 }
             }
         }

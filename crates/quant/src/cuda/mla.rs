@@ -247,7 +247,17 @@ pub fn mla_output_kernel<N: Size>(
                 tok = n - 1;
             }
             let mut acc = Array::<f32>::new(comptime!(4 * (r / 4).div_ceil(128)));
-            merge_slices::<N>(o_lat, ml_part, &mut acc, n * heads, splits as usize, tok * heads + h, tid, r);
+            merge_slices::<N>(
+                o_lat,
+                ml_part,
+                &mut acc,
+                n * heads,
+                splits as usize,
+                tok * heads + h,
+                tid,
+                r,
+                comptime!((warps * 32 / 128).max(1)),
+            );
             #[unroll]
             for it in 0..comptime!((r / 4).div_ceil(128)) {
                 let c4 = it * 128 + tid;
