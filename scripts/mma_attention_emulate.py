@@ -5,7 +5,8 @@ A/B/C register layouts of PTX lane by lane, `perm8`, the k-slot order of the que
 slots 2c, 2c + 1, 2c + 8, 2c + 9), the scores' split over 4 warps, the online softmax on score fragments, P's A
 fragments from the score fragments, and the value dimensions interleaved within each 32 (n-tile e = dims 4n + e).
 No splitting into BF16 parts (the split is exact; `split_exact` below checks the truncation split on random floats).
-Run it after changing any of those mappings, before a GPU run (numpy only; a few seconds).
+Run it after changing any of those mappings, before a GPU run (numpy only; a few seconds). `positions_as_m` emulates
+the planned few-heads orientation (positions as M, P transposed by shuffles; not yet a kernel).
 
 usage: python3 scripts/mma_attention_emulate.py
 """
@@ -135,3 +136,96 @@ def split_exact(n=200000):
 bad = split_exact()
 print("split: inexact in", bad, "of 200000")
 assert bad == 0
+
+
+def positions_as_m(heads=8, length=45, scale=0.07):
+    """The plan for few heads (docs/DEVELOPING.md, session 23 (7), not yet a kernel): positions as M. Scores S^T = K
+    Q^T (A = 16 latent rows, B = the heads' queries), a head's softmax over lanes of equal c, P^T gathered from the
+    score fragments by shuffles (lane (g, c) needs positions 2c, 2c + 1, 2c + 8, 2c + 9 of head g; value (p, h)
+    sits in lane (p % 8) * 4 + h // 2, element (p // 8) * 2 + h % 2), then O^T = V^T P^T (M = 16 value dims)."""
+    g_rng = np.random.default_rng(2)
+    qh = g_rng.uniform(-1, 1, (heads, d))
+    lt = g_rng.uniform(-1, 1, (length, d))
+    ksteps = d // 16
+    o_t = [[0.0] * (4 * (r // 16)) for _ in range(32)]  # m-tile j (dims 16j..): 4 floats a lane
+    mh = [[-1e30, -1e30] for _ in range(32)]  # heads 2c, 2c + 1
+    lh = [[0.0, 0.0] for _ in range(32)]
+    for t0 in range(0, length, 16):
+        tile = np.zeros((16, d))
+        n = min(16, length - t0)
+        tile[:n] = lt[t0:t0 + n]
+        s = [[0.0] * 4 for _ in range(32)]
+        for kk in range(ksteps):  # (4 warps would split these; their sums add in one order)
+            ra, rb = [], []
+            for lane in range(32):
+                g, c = lane // 4, lane % 4
+                x = tile[g, kk * 16 + 4 * c:kk * 16 + 4 * c + 4]
+                y = tile[g + 8, kk * 16 + 4 * c:kk * 16 + 4 * c + 4]
+                ra.append([(x[0], x[1]), (y[0], y[1]), (x[2], x[3]), (y[2], y[3])])
+                qv = qh[g, kk * 16 + 4 * c:kk * 16 + 4 * c + 4] if g < heads else np.zeros(4)
+                rb.append([(qv[0], qv[1]), (qv[2], qv[3])])
+            s = mma(ra, rb, s)
+        # C: lane (g, c) = (pos g, heads 2c, 2c + 1), (pos g + 8, the same).
+        for lane in range(32):
+            g = lane // 4
+            for e in range(4):
+                p = g + 8 * (e // 2)
+                s[lane][e] = s[lane][e] * scale if t0 + p < length else -1e30
+        p_t = [[0.0] * 4 for _ in range(32)]
+        alpha = [None] * 32
+        for lane in range(32):
+            c = lane % 4
+            same_c = [k * 4 + c for k in range(8)]  # shuffles xor 4, 8, 16
+            new = []
+            for e in range(2):
+                mx = max(max(s[k][e], s[k][e + 2]) for k in same_c)
+                new.append(max(mh[lane][e], mx))
+            alpha[lane] = [np.exp(mh[lane][e] - new[e]) for e in range(2)]
+            mh[lane] = new
+        probs = [[np.exp(s[ln][e] - mh[ln][e % 2]) if s[ln][e] > -1e29 else 0.0 for e in range(4)] for ln in range(32)]
+        for lane in range(32):
+            lh[lane] = [lh[lane][e] * alpha[lane][e] + probs[lane][e] + probs[lane][e + 2] for e in range(2)]
+        # P^T for B: lane (g, c) gathers (pos 2c, 2c + 1, 2c + 8, 2c + 9; head g) from the lanes that hold them.
+        for lane in range(32):
+            g, c = lane // 4, lane % 4
+            for k, p in enumerate([2 * c, 2 * c + 1, 2 * c + 8, 2 * c + 9]):
+                src = (p % 8) * 4 + g // 2
+                p_t[lane][k] = probs[src][(p // 8) * 2 + g % 2]
+        for j in range(r // 16):
+            ra, rb = [], []
+            for lane in range(32):
+                g, c = lane // 4, lane % 4
+                col = tile[:, 16 * j + g]
+                col8 = tile[:, 16 * j + g + 8]
+                ra.append([(col[2 * c], col[2 * c + 1]), (col8[2 * c], col8[2 * c + 1]),
+                           (col[2 * c + 8], col[2 * c + 9]), (col8[2 * c + 8], col8[2 * c + 9])])
+                rb.append([(p_t[lane][0], p_t[lane][1]), (p_t[lane][2], p_t[lane][3])])
+            tmp = mma(ra, rb, [[0.0] * 4 for _ in range(32)])
+            for lane in range(32):
+                a0, a1 = alpha[lane]
+                o = o_t[lane]
+                o[4 * j] = o[4 * j] * a0 + tmp[lane][0]
+                o[4 * j + 1] = o[4 * j + 1] * a1 + tmp[lane][1]
+                o[4 * j + 2] = o[4 * j + 2] * a0 + tmp[lane][2]
+                o[4 * j + 3] = o[4 * j + 3] * a1 + tmp[lane][3]
+    out8 = np.zeros((heads, r))
+    for lane in range(32):
+        g, c = lane // 4, lane % 4
+        tot = [sum(lh[k * 4 + c][e] for k in range(8)) for e in range(2)]
+        for j in range(r // 16):
+            for e in range(4):
+                h = 2 * c + e % 2
+                dim = 16 * j + g + 8 * (e // 2)
+                if h < heads:
+                    out8[h, dim] = o_t[lane][4 * j + e] / tot[e % 2]
+    sc = (qh @ lt.T) * scale
+    want = np.zeros((heads, r))
+    for h in range(heads):
+        w = np.exp(sc[h] - sc[h].max())
+        want[h] = (w / w.sum()) @ lt[:, :r]
+    return np.abs(out8 - want).max(), np.abs(want).max()
+
+
+err8, big8 = positions_as_m()
+print("positions as M (8 heads, the plan): max |emulated - reference|", err8, "of max", big8)
+assert err8 < 1e-12
