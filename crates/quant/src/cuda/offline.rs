@@ -17,21 +17,23 @@ use cubecl::{Compiler, ExecutionMode};
 use cubecl_cpp::shared::{CompilationOptions, CppSupportedFeatures};
 use half::bf16;
 
-use super::attention::{mla_attention_kernel, mla_combine_kernel};
-use super::attention_dims::{DimShape, mla_attention_dims_kernel};
-use super::attention_mma::{MmaShape, mla_attention_mma_kernel};
 use super::dense::{gemv_bf16_kernel, gemv_norm_kernel, gemv_pair_kernel, gemv_swiglu_kernel};
 use super::gemm::{split_bf16x3_kernel, sum3_kernel};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::mla::{mla_latent_kernel, mla_output_kernel, mla_query_kernel};
 use super::moe_mma::{expert_mma_kernel, split_x3_kernel};
 use super::norm::rms_norm_kernel;
-use super::prefill_attention::{MhaDims, mha_prefill_kernel};
 use super::resources::Arch;
 use super::rope::rope_rows_kernel;
 use super::router::{group_kernel, route_kernel};
 use super::sampling::argmax_rows_kernel;
 use super::specs::{Act, ExpertMmaSpec, ExpertRowsSpec, KernelSpec};
+
+#[path = "offline_attention.rs"]
+mod attention;
+use attention::{
+    define_mha_prefill, define_mla_attention, define_mla_attention_dims, define_mla_attention_mma, define_mla_combine,
+};
 
 /// 16-byte vectors of the kernels (the launcher's `VEC`).
 const VEC: usize = 4;
@@ -250,186 +252,6 @@ fn define_copy(props: &DeviceProperties) -> KernelDefinition {
     copy_kernel::expand::<N>(&mut b.scope, VEC, input, output);
     let name = format!("copy_kernel_n_{VEC}");
     b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
-}
-
-fn define_mla_attention(r: usize, rot: usize, warps: usize, hpw: usize, props: &DeviceProperties) -> KernelDefinition {
-    use mla_attention_kernel::_N;
-    type N = DynamicSize<_N>;
-    let address = AddressType::U32;
-    let mut b = builder(props, address);
-    b.scope.register_size::<N>(VEC);
-    let a = ARRAY;
-    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
-    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
-    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
-    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
-    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
-    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
-    mla_attention_kernel::expand::<N>(
-        &mut b.scope,
-        VEC,
-        q,
-        cache,
-        meta,
-        o_part,
-        ml_part,
-        n_rows,
-        heads,
-        max_blocks,
-        block_size,
-        chunk,
-        scale,
-        r,
-        rot,
-        warps,
-        hpw,
-    );
-    let name = format!("mla_attention_kernel_n_{VEC}");
-    b.build(
-        KernelSettings::default().cube_dim(CubeDim::new_2d(32, warps as u32)).address_type(address).kernel_name(name),
-    )
-}
-
-fn define_mla_attention_dims(r: usize, rot: usize, shape: DimShape, props: &DeviceProperties) -> KernelDefinition {
-    use mla_attention_dims_kernel::_N;
-    type N = DynamicSize<_N>;
-    let address = AddressType::U32;
-    let mut b = builder(props, address);
-    b.scope.register_size::<N>(VEC);
-    let a = ARRAY;
-    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
-    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
-    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
-    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
-    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
-    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
-    mla_attention_dims_kernel::expand::<N>(
-        &mut b.scope,
-        VEC,
-        q,
-        cache,
-        meta,
-        o_part,
-        ml_part,
-        n_rows,
-        heads,
-        max_blocks,
-        block_size,
-        chunk,
-        scale,
-        r,
-        rot,
-        shape.wh,
-        shape.wk,
-        shape.hpw,
-        shape.sg,
-    );
-    let name = format!("mla_attention_dims_kernel_n_{VEC}");
-    let dim = CubeDim::new_2d(32, (shape.wh * shape.wk) as u32);
-    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
-}
-
-fn define_mla_attention_mma(r: usize, rot: usize, shape: MmaShape, props: &DeviceProperties) -> KernelDefinition {
-    use mla_attention_mma_kernel::_N;
-    type N = DynamicSize<_N>;
-    let address = AddressType::U32;
-    let mut b = builder(props, address);
-    b.scope.register_size::<N>(VEC);
-    let a = ARRAY;
-    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
-    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
-    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
-    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
-    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
-    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
-    mla_attention_mma_kernel::expand::<N>(
-        &mut b.scope,
-        VEC,
-        q,
-        cache,
-        meta,
-        o_part,
-        ml_part,
-        n_rows,
-        heads,
-        max_blocks,
-        block_size,
-        chunk,
-        scale,
-        r,
-        rot,
-        shape.tiles,
-        shape.wk,
-        shape.pt,
-    );
-    let name = format!("mla_attention_mma_kernel_n_{VEC}");
-    let dim = CubeDim::new_2d(32, (shape.tiles * shape.wk) as u32);
-    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
-}
-
-fn define_mla_combine(r: usize, props: &DeviceProperties) -> KernelDefinition {
-    use mla_combine_kernel::_N;
-    type N = DynamicSize<_N>;
-    let address = AddressType::U32;
-    let mut b = builder(props, address);
-    b.scope.register_size::<N>(VEC);
-    let a = ARRAY;
-    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let ml_part = <Array<f32> as LaunchArg>::expand(&a, &mut b);
-    let out = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
-    let pairs = <u32 as LaunchArg>::expand(&(), &mut b);
-    let splits = <u32 as LaunchArg>::expand(&(), &mut b);
-    mla_combine_kernel::expand::<N>(&mut b.scope, VEC, o_part, ml_part, out, pairs, splits, r);
-    let name = format!("mla_combine_kernel_n_{VEC}");
-    b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(128)).address_type(address).kernel_name(name))
-}
-
-fn define_mha_prefill(dims: MhaDims, props: &DeviceProperties) -> KernelDefinition {
-    use mha_prefill_kernel::_N;
-    type N = DynamicSize<_N>;
-    let address = AddressType::U32;
-    let mut b = builder(props, address);
-    b.scope.register_size::<N>(VEC);
-    let a = ARRAY;
-    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let kv = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let kpe = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
-    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
-    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
-    let (n_rows, heads, start, key0, keys, seg, kpe_stride, kpe_off) =
-        (scalar(), scalar(), scalar(), scalar(), scalar(), scalar(), scalar(), scalar());
-    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
-    mha_prefill_kernel::expand::<N>(
-        &mut b.scope,
-        VEC,
-        q,
-        kv,
-        kpe,
-        o_part,
-        ml_part,
-        n_rows,
-        heads,
-        start,
-        key0,
-        keys,
-        seg,
-        kpe_stride,
-        kpe_off,
-        scale,
-        dims.nope,
-        dims.rot,
-        dims.vd,
-    );
-    let name = format!("mha_prefill_kernel_n_{VEC}");
-    let dim = CubeDim::new_1d(super::prefill_attention::THREADS as u32);
-    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
 }
 
 fn define_argmax_rows(props: &DeviceProperties) -> KernelDefinition {

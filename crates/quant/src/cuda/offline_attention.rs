@@ -1,0 +1,209 @@
+//! The attention kernels' definitions for [`super::cuda_source`] (the key-lane, dim-lane and tensor-core decode
+//! kernels, the combine, and the MHA-form prefill kernel): each builds the kernel's CubeCL expansion the way its
+//! `#[cube(launch_unchecked)]` macro's `define()` does (see the parent module's docs).
+
+use burn::cubecl;
+use cubecl::ir::DeviceProperties;
+use cubecl::prelude::*;
+
+use super::{ARRAY, VEC, builder};
+use crate::cuda::attention::{mla_attention_kernel, mla_combine_kernel};
+use crate::cuda::attention_dims::{DimShape, mla_attention_dims_kernel};
+use crate::cuda::attention_mma::{MmaShape, mla_attention_mma_kernel};
+use crate::cuda::prefill_attention::{MhaDims, mha_prefill_kernel};
+
+pub(super) fn define_mla_attention(
+    r: usize,
+    rot: usize,
+    warps: usize,
+    hpw: usize,
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    use mla_attention_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
+    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
+    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    mla_attention_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        q,
+        cache,
+        meta,
+        o_part,
+        ml_part,
+        n_rows,
+        heads,
+        max_blocks,
+        block_size,
+        chunk,
+        scale,
+        r,
+        rot,
+        warps,
+        hpw,
+    );
+    let name = format!("mla_attention_kernel_n_{VEC}");
+    b.build(
+        KernelSettings::default().cube_dim(CubeDim::new_2d(32, warps as u32)).address_type(address).kernel_name(name),
+    )
+}
+
+pub(super) fn define_mla_attention_dims(
+    r: usize,
+    rot: usize,
+    shape: DimShape,
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    use mla_attention_dims_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
+    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
+    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    mla_attention_dims_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        q,
+        cache,
+        meta,
+        o_part,
+        ml_part,
+        n_rows,
+        heads,
+        max_blocks,
+        block_size,
+        chunk,
+        scale,
+        r,
+        rot,
+        shape.wh,
+        shape.wk,
+        shape.hpw,
+        shape.sg,
+    );
+    let name = format!("mla_attention_dims_kernel_n_{VEC}");
+    let dim = CubeDim::new_2d(32, (shape.wh * shape.wk) as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
+
+pub(super) fn define_mla_attention_mma(
+    r: usize,
+    rot: usize,
+    shape: MmaShape,
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    use mla_attention_mma_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
+    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
+    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    mla_attention_mma_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        q,
+        cache,
+        meta,
+        o_part,
+        ml_part,
+        n_rows,
+        heads,
+        max_blocks,
+        block_size,
+        chunk,
+        scale,
+        r,
+        rot,
+        shape.tiles,
+        shape.wk,
+        shape.pt,
+    );
+    let name = format!("mla_attention_mma_kernel_n_{VEC}");
+    let dim = CubeDim::new_2d(32, (shape.tiles * shape.wk) as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
+
+pub(super) fn define_mla_combine(r: usize, props: &DeviceProperties) -> KernelDefinition {
+    use mla_combine_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let pairs = <u32 as LaunchArg>::expand(&(), &mut b);
+    let splits = <u32 as LaunchArg>::expand(&(), &mut b);
+    mla_combine_kernel::expand::<N>(&mut b.scope, VEC, o_part, ml_part, out, pairs, splits, r);
+    let name = format!("mla_combine_kernel_n_{VEC}");
+    b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(128)).address_type(address).kernel_name(name))
+}
+
+pub(super) fn define_mha_prefill(dims: MhaDims, props: &DeviceProperties) -> KernelDefinition {
+    use mha_prefill_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let kv = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let kpe = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
+    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
+    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
+    let (n_rows, heads, start, key0, keys, seg, kpe_stride, kpe_off) =
+        (scalar(), scalar(), scalar(), scalar(), scalar(), scalar(), scalar(), scalar());
+    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    mha_prefill_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        q,
+        kv,
+        kpe,
+        o_part,
+        ml_part,
+        n_rows,
+        heads,
+        start,
+        key0,
+        keys,
+        seg,
+        kpe_stride,
+        kpe_off,
+        scale,
+        dims.nope,
+        dims.rot,
+        dims.vd,
+    );
+    let name = format!("mha_prefill_kernel_n_{VEC}");
+    let dim = CubeDim::new_1d(crate::cuda::prefill_attention::THREADS as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
