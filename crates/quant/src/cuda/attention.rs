@@ -258,6 +258,39 @@ pub(crate) mod gpu {
         z
     }
 
+    /// Where block slice `split` of query row `row` reads, from the packed [`PagedRows`](super::PagedRows) `meta`
+    /// of `n_rows` rows: `(table0, k_begin, k_end)`, the row's page table's first word and its positions `k_begin ..
+    /// k_end` (slices of `chunk`, cut at the row's length; empty past it). Shared by the three attention kernels.
+    #[cube]
+    pub(crate) fn row_slice(
+        meta: &Array<u32>,
+        row: usize,
+        n_rows: usize,
+        split: usize,
+        chunk: u32,
+        max_blocks: u32,
+    ) -> (usize, usize, usize) {
+        let seq = meta[row] as usize;
+        let len = meta[n_rows + row] as usize;
+        let table0 = 2 * n_rows + seq * max_blocks as usize;
+        let k_begin = split * chunk as usize;
+        let mut k_end = k_begin + chunk as usize;
+        if k_end > len {
+            k_end = len;
+        }
+        if k_end < k_begin {
+            k_end = k_begin;
+        }
+        (table0, k_begin, k_end)
+    }
+
+    /// The cache row of position `pos` of the row whose page table starts at `meta[table0]` (pages of `block_size`).
+    #[cube]
+    pub(crate) fn cache_row(meta: &Array<u32>, table0: usize, pos: usize, block_size: u32) -> u32 {
+        let bs = block_size as usize;
+        meta[table0 + pos / bs] * block_size + (pos % bs) as u32
+    }
+
     /// One block: one query row, `hpw * warps` heads, one slice of positions (module docs).
     #[cube(launch_unchecked, address_type = "dynamic")]
     #[allow(clippy::too_many_arguments, clippy::manual_div_ceil, clippy::collapsible_if)]
@@ -285,7 +318,6 @@ pub(crate) mod gpu {
         let row = CUBE_POS_Y as usize;
         let n_rows = n_rows as usize;
         let heads = heads as usize;
-        let bs = block_size as usize;
         // 4-float vectors per latent, per latent row in shared memory (one vector of padding: the score loop's
         // 16-byte loads of 32 different rows are then free of bank conflicts), value vectors per lane.
         let dv = comptime!((r + rot) / 4);
@@ -299,17 +331,7 @@ pub(crate) mod gpu {
         // Accumulators a head: the lane's value vectors of 4.
         let hs = comptime!(4 * r.div_ceil(128));
 
-        let seq = meta[row] as usize;
-        let len = meta[n_rows + row] as usize;
-        let table0 = 2 * n_rows + seq * max_blocks as usize;
-        let k_begin = split * chunk as usize;
-        let mut k_end = k_begin + chunk as usize;
-        if k_end > len {
-            k_end = len;
-        }
-        if k_end < k_begin {
-            k_end = k_begin;
-        }
+        let (table0, k_begin, k_end) = row_slice(meta, row, n_rows, split, chunk, max_blocks);
 
         // Queries of the block's heads, `[hpw warps heads][d / 4]` vectors, copied with `cp.async` (16 bytes each,
         // all in flight at once, no registers held; the block's heads are one contiguous stretch of `q`); heads
@@ -358,7 +380,7 @@ pub(crate) mod gpu {
         if tid < 32 {
             let pos = k_begin + tid;
             if pos < k_end {
-                next_slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
+                next_slot = cache_row(meta, table0, pos, block_size);
             }
         }
         let n_tiles = (k_end - k_begin + 31) / 32;
@@ -391,7 +413,7 @@ pub(crate) mod gpu {
             if tid < 32 {
                 let pos = t0 + 32 + tid;
                 if pos < k_end {
-                    next_slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
+                    next_slot = cache_row(meta, table0, pos, block_size);
                 }
             }
             // Every thread's copies (and, the first time, the queries) have landed and every thread has arrived.

@@ -163,7 +163,7 @@ pub(crate) mod gpu {
     use cubecl::prelude::barrier::{Barrier, copy_async};
     use cubecl::prelude::*;
 
-    use crate::cuda::attention::gpu::zeros4;
+    use crate::cuda::attention::gpu::{cache_row, row_slice, zeros4};
 
     /// One round of the warp's reduce-scatter: the first `2 * half` values of `part`, summed with the partner lane's
     /// (`lane ^ half`), leave `half` values: the upper half's where the lane's bit `half` is set, else the lower's.
@@ -275,7 +275,6 @@ pub(crate) mod gpu {
         let row = CUBE_POS_Z as usize;
         let n_rows = n_rows as usize;
         let heads = heads as usize;
-        let bs = block_size as usize;
         // Vectors a latent, value vectors a lane, keys a group, accumulators a head, keys a stage, threads, heads a block.
         let dv = comptime!((r + rot) / 4);
         let rq = comptime!(r / 128);
@@ -286,17 +285,7 @@ pub(crate) mod gpu {
         let bh = comptime!(wh * hpw);
         let h0 = CUBE_POS_X as usize * bh;
 
-        let seq = meta[row] as usize;
-        let len = meta[n_rows + row] as usize;
-        let table0 = 2 * n_rows + seq * max_blocks as usize;
-        let k_begin = split * chunk as usize;
-        let mut k_end = k_begin + chunk as usize;
-        if k_end > len {
-            k_end = len;
-        }
-        if k_end < k_begin {
-            k_end = k_begin;
-        }
+        let (table0, k_begin, k_end) = row_slice(meta, row, n_rows, split, chunk, max_blocks);
         let n_stages = (k_end - k_begin + stage - 1) / stage;
 
         let b0 = Barrier::shared(threads as u32, tid == 0);
@@ -331,7 +320,7 @@ pub(crate) mod gpu {
         if my_key < stage {
             let pos = k_begin + my_key;
             if pos < k_end {
-                slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
+                slot = cache_row(meta, table0, pos, block_size);
             }
         }
         if n_stages > 0 {
@@ -357,7 +346,7 @@ pub(crate) mod gpu {
             if my_key < stage {
                 let pos = k_begin + stage + my_key;
                 if pos < k_end {
-                    slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
+                    slot = cache_row(meta, table0, pos, block_size);
                 }
             }
         }
@@ -404,7 +393,7 @@ pub(crate) mod gpu {
                     }
                     let pos = t0 + 2 * stage + my_key;
                     if pos < k_end {
-                        slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
+                        slot = cache_row(meta, table0, pos, block_size);
                     }
                 }
                 if st % 2 == 0 {

@@ -160,7 +160,7 @@ pub(crate) mod gpu {
     use cubecl::prelude::*;
     use half::bf16;
 
-    use crate::cuda::attention::gpu::zeros4;
+    use crate::cuda::attention::gpu::{cache_row, row_slice, zeros4};
     use crate::cuda::moe_mma::mma_into;
 
     /// Position `x` (0..8) of an 8-position n-tile as the lane of index `x` reads it: `[0, 2, 1, 3, 6, 4, 7, 5]`.
@@ -296,7 +296,6 @@ pub(crate) mod gpu {
         let row = CUBE_POS_Z as usize;
         let n_rows = n_rows as usize;
         let heads = heads as usize;
-        let bs = block_size as usize;
         // Vectors a latent, a shared-memory row, a stage; k-steps in all and a warp at most; score n-tiles and value
         // k-steps a stage; 32-dimension value groups a warp; threads; copying threads a position.
         let dv = comptime!((r + rot) / 4);
@@ -313,17 +312,7 @@ pub(crate) mod gpu {
         let hg = h0 + g;
         let hg8 = h0 + g + 8;
 
-        let seq = meta[row] as usize;
-        let len = meta[n_rows + row] as usize;
-        let table0 = 2 * n_rows + seq * max_blocks as usize;
-        let k_begin = split * chunk as usize;
-        let mut k_end = k_begin + chunk as usize;
-        if k_end > len {
-            k_end = len;
-        }
-        if k_end < k_begin {
-            k_end = k_begin;
-        }
+        let (table0, k_begin, k_end) = row_slice(meta, row, n_rows, split, chunk, max_blocks);
         let n_stages = (k_end - k_begin + pt - 1) / pt;
 
         let b0 = Barrier::shared(threads as u32, tid == 0);
@@ -341,13 +330,13 @@ pub(crate) mod gpu {
         let mut slot = 0u32;
         if k_begin + my_key < k_end {
             let pos = k_begin + my_key;
-            slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
+            slot = cache_row(meta, table0, pos, block_size);
         }
         if n_stages > 0 {
             copy_stage::<N>(cache, &mut ks, 0usize, k_begin + my_key < k_end, slot, my_key, sub, tpk, dv, rowv);
             let pos = k_begin + pt + my_key;
             if pos < k_end {
-                slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
+                slot = cache_row(meta, table0, pos, block_size);
             }
         }
         b0.commit_copy_async();
@@ -412,7 +401,7 @@ pub(crate) mod gpu {
                 copy_stage::<N>(cache, &mut ks, nxt, t0 + pt + my_key < k_end, slot, my_key, sub, tpk, dv, rowv);
                 let pos = t0 + 2 * pt + my_key;
                 if pos < k_end {
-                    slot = meta[table0 + pos / bs] * block_size + (pos % bs) as u32;
+                    slot = cache_row(meta, table0, pos, block_size);
                 }
                 if st % 2 == 0 {
                     b1.commit_copy_async();
