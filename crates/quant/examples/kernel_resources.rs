@@ -8,7 +8,8 @@
 //!     [--json FILE] [--dump DIR] [--only LABEL_PART] [--shape HIDDEN,INTER,EXPERTS,GROUP --topk 8]
 //! ```
 //!
-//! `--dump DIR` writes each specialisation's CUDA C++ (`LABEL.cu`) and its CUBIN (`LABEL.cubin`) there: the SASS
+//! `--dump DIR` writes each specialisation's CUDA C++ (`LABEL.cu`) and its CUBIN (`LABEL.cubin`) there (the label
+//! with every character but letters, digits, `.`, `+` and `-` as `_`, e.g. `route_e384_groups1_1_top8_norm1`): the SASS
 //! is then `nvdisasm -c LABEL.cubin` (pip `nvidia-cuda-nvdisasm`), and `scripts/sass_loop.py` counts the
 //! instructions of its hottest loop.
 //!
@@ -181,6 +182,12 @@ struct Row {
     errors: Vec<String>,
 }
 
+/// A specialisation's label as a file name: spaces, `/` and every other character but letters, digits, `.`, `+`
+/// and `-` as `_` (the router's labels name "groups 1/1").
+fn file_stem(label: &str) -> String {
+    label.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '+' | '-') { c } else { '_' }).collect()
+}
+
 fn main() -> Result<()> {
     let args = parse_args()?;
     let nvrtc = Nvrtc::load(&args.nvrtc)?;
@@ -217,14 +224,14 @@ fn main() -> Result<()> {
         let src = cuda_source(&spec, args.arch, cuda_version).map_err(anyhow::Error::msg)?;
         if let Some(dir) = &args.dump {
             std::fs::create_dir_all(dir)?;
-            let file = dir.join(format!("{}.cu", spec.label().replace(' ', "_")));
+            let file = dir.join(format!("{}.cu", file_stem(&spec.label())));
             std::fs::write(&file, &src.source).with_context(|| file.display().to_string())?;
         }
         let (ok, log, cubin) = nvrtc.compile(&src.source, &format!("{}.cu", src.entry), &options)?;
         if let Some(dir) = &args.dump
             && !cubin.is_empty()
         {
-            let file = dir.join(format!("{}.cubin", spec.label().replace(' ', "_")));
+            let file = dir.join(format!("{}.cubin", file_stem(&spec.label())));
             std::fs::write(&file, &cubin).with_context(|| file.display().to_string())?;
         }
         let mut errors: Vec<String> = log_errors(&log).iter().map(|l| l.trim().to_string()).collect();
