@@ -12,17 +12,28 @@ use crate::cuda::attention_dims::{DimShape, mla_attention_dims_kernel};
 use crate::cuda::attention_mma::{MmaShape, mla_attention_mma_kernel};
 use crate::cuda::prefill_attention::{MhaDims, mha_prefill_kernel};
 
-pub(super) fn define_mla_attention(
-    r: usize,
-    rot: usize,
-    warps: usize,
-    hpw: usize,
-    props: &DeviceProperties,
-) -> KernelDefinition {
-    use mla_attention_kernel::_N;
-    type N = DynamicSize<_N>;
-    let address = AddressType::U32;
-    let mut b = builder(props, address);
+/// `T`'s expansion.
+type Ex<T> = <T as CubeType>::ExpandType;
+
+/// The eleven launch arguments the three decode attention kernels share (`q, cache, meta, o_part, ml_part, n_rows,
+/// heads, max_blocks, block_size, chunk, scale`), expanded in their order.
+struct DecodeArgs<N: Size> {
+    q: Ex<Array<Vector<f32, N>>>,
+    cache: Ex<Array<Vector<f32, N>>>,
+    meta: Ex<Array<u32>>,
+    o_part: Ex<Array<Vector<f32, N>>>,
+    ml_part: Ex<Array<f32>>,
+    n_rows: Ex<u32>,
+    heads: Ex<u32>,
+    max_blocks: Ex<u32>,
+    block_size: Ex<u32>,
+    chunk: Ex<u32>,
+    scale: Ex<f32>,
+}
+
+/// A builder (32-bit indexing, vectors of [`VEC`] registered as `N`) and the decode kernels' shared arguments.
+fn decode_args<N: Size + 'static>(props: &DeviceProperties) -> (KernelBuilder, DecodeArgs<N>) {
+    let mut b = builder(props, AddressType::U32);
     b.scope.register_size::<N>(VEC);
     let a = ARRAY;
     let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
@@ -33,20 +44,35 @@ pub(super) fn define_mla_attention(
     let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
     let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
     let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    let args = DecodeArgs { q, cache, meta, o_part, ml_part, n_rows, heads, max_blocks, block_size, chunk, scale };
+    (b, args)
+}
+
+pub(super) fn define_mla_attention(
+    r: usize,
+    rot: usize,
+    warps: usize,
+    hpw: usize,
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    use mla_attention_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let (mut b, x) = decode_args::<N>(props);
     mla_attention_kernel::expand::<N>(
         &mut b.scope,
         VEC,
-        q,
-        cache,
-        meta,
-        o_part,
-        ml_part,
-        n_rows,
-        heads,
-        max_blocks,
-        block_size,
-        chunk,
-        scale,
+        x.q,
+        x.cache,
+        x.meta,
+        x.o_part,
+        x.ml_part,
+        x.n_rows,
+        x.heads,
+        x.max_blocks,
+        x.block_size,
+        x.chunk,
+        x.scale,
         r,
         rot,
         warps,
@@ -67,31 +93,21 @@ pub(super) fn define_mla_attention_dims(
     use mla_attention_dims_kernel::_N;
     type N = DynamicSize<_N>;
     let address = AddressType::U32;
-    let mut b = builder(props, address);
-    b.scope.register_size::<N>(VEC);
-    let a = ARRAY;
-    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
-    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
-    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
-    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
-    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
-    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    let (mut b, x) = decode_args::<N>(props);
     mla_attention_dims_kernel::expand::<N>(
         &mut b.scope,
         VEC,
-        q,
-        cache,
-        meta,
-        o_part,
-        ml_part,
-        n_rows,
-        heads,
-        max_blocks,
-        block_size,
-        chunk,
-        scale,
+        x.q,
+        x.cache,
+        x.meta,
+        x.o_part,
+        x.ml_part,
+        x.n_rows,
+        x.heads,
+        x.max_blocks,
+        x.block_size,
+        x.chunk,
+        x.scale,
         r,
         rot,
         shape.wh,
@@ -113,31 +129,21 @@ pub(super) fn define_mla_attention_mma(
     use mla_attention_mma_kernel::_N;
     type N = DynamicSize<_N>;
     let address = AddressType::U32;
-    let mut b = builder(props, address);
-    b.scope.register_size::<N>(VEC);
-    let a = ARRAY;
-    let q = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let cache = <Array<Vector<f32, N>> as LaunchArg>::expand(&a, &mut b);
-    let meta = <Array<u32> as LaunchArg>::expand(&a, &mut b);
-    let o_part = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
-    let ml_part = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
-    let mut scalar = || <u32 as LaunchArg>::expand(&(), &mut b);
-    let (n_rows, heads, max_blocks, block_size, chunk) = (scalar(), scalar(), scalar(), scalar(), scalar());
-    let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    let (mut b, x) = decode_args::<N>(props);
     mla_attention_mma_kernel::expand::<N>(
         &mut b.scope,
         VEC,
-        q,
-        cache,
-        meta,
-        o_part,
-        ml_part,
-        n_rows,
-        heads,
-        max_blocks,
-        block_size,
-        chunk,
-        scale,
+        x.q,
+        x.cache,
+        x.meta,
+        x.o_part,
+        x.ml_part,
+        x.n_rows,
+        x.heads,
+        x.max_blocks,
+        x.block_size,
+        x.chunk,
+        x.scale,
         r,
         rot,
         shape.tiles,
