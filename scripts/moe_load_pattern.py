@@ -1,80 +1,174 @@
 #!/usr/bin/env python3
-"""How fast one token's MoE gate/up weights can be read, by load pattern (issue 4, the MoE at batch 1).
+"""How fast one token's MoE expert weights can be read, by load pattern (issue 4, the MoE at batch 1).
 
-A measurement, not a kernel of ours: three read-only CUDA kernels (NVRTC through `torch.cuda._compile_kernel`)
-stream the packed INT4 words and BF16 scales of 8 experts' gate+up rows of Kimi-K2's shape (2 x 2048 rows of 7168
-columns: 14.7 MB of words and 1.8 MB of scales an expert), each with a different address pattern:
+A measurement, not a kernel of ours: read-only CUDA kernels (NVRTC through `torch.cuda._compile_kernel`) stream the
+packed INT4 words and BF16 scales of 8 experts' matrices of Kimi-K2's shape, each with a different address pattern.
+`--matrix gate_up` (default): gate+up rows, 2 x 2048 rows of 7168 columns (14.7 MB of words and 1.8 MB of scales
+an expert); `--matrix down`: 7168 rows of 2048 columns (7.3 MB and 0.9 MB). Patterns:
 
 - `rowtile`: what `moe_mma::expert_mma_kernel` reads from the checkpoint's row-major layout: a warp owns a 16-row
-  tile of gate and the matching up tile; for each 128-column block, lane (g, c) loads 16-byte vector 4i + c of rows
-  g and g + 8 (8 rows x 64 contiguous bytes an instruction) and their BF16 scales (8 bytes a row);
-- `tiled`: the same warps and blocks over a layout repacked so that each 16-row tile's block is 1 KB contiguous
-  (an instruction reads 512 contiguous bytes) and its 64 scales 128 contiguous bytes;
-- `rows`: a warp streams whole rows (an instruction reads 512 contiguous bytes of one row), the GEMV pattern.
+  tile (gate/up: of gate and the matching up tile); for each 128-column block, lane (g, c) loads 16-byte vector
+  4i + c of rows g and g + 8 (8 rows x 64 contiguous bytes an instruction) and their BF16 scales;
+- `tiled`: the same warps and blocks over the layout the kernel reads now (`experts::tiled_vector`: each 16-row
+  tile's block 1 KB contiguous, an instruction 512 contiguous bytes), `ksplit` warps a task taking every
+  `ksplit`-th block;
+- `rot`: `tiled`, each warp starting at its task's index (mod its block count) and wrapping: tasks side by side
+  read different offsets of their tiles;
+- `chunk`: `tiled`, the `ksplit` warps of a task each taking a contiguous run of blocks instead of every
+  `ksplit`-th;
+- `deep4`: `tiled` with four blocks' loads issued before any is used (more bytes in flight a warp);
+- `bmajor`: the kernel's warps over a layout that stores block i of every tile of an expert side by side (warps at
+  the same offset read neighbouring kilobytes);
+- `rows`: a warp streams whole rows (an instruction reads 512 contiguous bytes of one row), the GEMV pattern;
+- `flat`: the same bytes read as one contiguous stream per expert, four 16-byte loads a thread in flight (no
+  structure: what one launch of this size reaches).
 
-Every launch reads another 8 of 64 experts (940 MB in all, far beyond the 60 MB L2). Prints GB/s per pattern and
-k-split (warps sharing a tile's blocks), and torch's copy bandwidth in the same run; `--json PATH` writes them.
+Every launch reads another 8 of 64 experts (far beyond the 50 MB L2). Prints GB/s per pattern and parameter (k-split,
+rows a warp) and torch's copy bandwidth in the same run; `--json PATH` writes them.
 """
 
 import argparse
 import json
 import sys
+import time
 
 import torch
 
 SRC = r"""
-#define ROWS 4096      // gate + up rows an expert
-#define KV 224         // 16-byte vectors a row (7168 columns / 32)
-#define NBLK 56        // 128-column blocks a row
+// ROWS rows an expert (gate/up: gate then up), KV 16-byte vectors a row, NBLK 128-column blocks a row, MT m tiles a
+// task (2 gated: the gate tile and the up tile ROWS / 2 rows on), TPE 16-row tiles an expert.
+#define TPE (ROWS / 16)
+#define TASKS (TPE / MT)
+#define EXPERT_VECS ((size_t)ROWS * KV)
+
+__device__ __forceinline__ unsigned fold(uint4 q, unsigned short sc) { return q.x ^ q.y ^ q.z ^ q.w ^ (unsigned)sc; }
+
+// The kernel's warp roles: warp gw of the grid takes task gw / ksplit (slot, t0), part gw % ksplit.
+#define ROLE \
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5; \
+  int gw = blockIdx.x * (blockDim.x >> 5) + warp; \
+  int task = gw / ksplit, part = gw % ksplit; \
+  int slot = task / TASKS, t0 = task % TASKS; \
+  if (slot >= 8) return; \
+  size_t e = experts[slot]; \
+  unsigned acc = 0;
+
+#define TILED_AT(i, mt, h) (((e * TPE + t0 + (mt) * (TPE / 2)) * NBLK + (i)) * 64 + (h) * 32 + lane)
+
 extern "C" __global__ void rowtile(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
                                    const int* __restrict__ experts, unsigned* out, int ksplit) {
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  ROLE
   int g = lane >> 2, c = lane & 3;
-  int gw = blockIdx.x * (blockDim.x >> 5) + warp;
-  int task = gw / ksplit, part = gw % ksplit;
-  int slot = task / 128, j0 = (task % 128) * 16;
-  if (slot >= 8) return;
-  size_t e = experts[slot];
-  unsigned acc = 0;
   #pragma unroll 2
   for (int i = part; i < NBLK; i += ksplit) {
     int v = 4 * i + c;
     #pragma unroll
-    for (int mt = 0; mt < 2; mt++) {
+    for (int mt = 0; mt < MT; mt++) {
       #pragma unroll
       for (int h = 0; h < 2; h++) {
-        size_t row = e * ROWS + j0 + mt * 2048 + g + 8 * h;
-        uint4 q = w[row * KV + v];
-        acc ^= q.x ^ q.y ^ q.z ^ q.w ^ (unsigned)s[row * KV + v];
+        size_t row = e * ROWS + t0 * 16 + mt * (ROWS / 2) + g + 8 * h;
+        acc ^= fold(w[row * KV + v], s[row * KV + v]);
       }
     }
   }
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
+
 extern "C" __global__ void tiled(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
                                  const int* __restrict__ experts, unsigned* out, int ksplit) {
-  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int gw = blockIdx.x * (blockDim.x >> 5) + warp;
-  int task = gw / ksplit, part = gw % ksplit;
-  int slot = task / 128, t0 = task % 128;
-  if (slot >= 8) return;
-  size_t e = experts[slot];
-  unsigned acc = 0;
+  ROLE
   #pragma unroll 2
   for (int i = part; i < NBLK; i += ksplit) {
     #pragma unroll
-    for (int mt = 0; mt < 2; mt++) {
-      size_t tile = e * 256 + t0 + mt * 128;
+    for (int mt = 0; mt < MT; mt++) {
       #pragma unroll
-      for (int h = 0; h < 2; h++) {
-        size_t at = (tile * NBLK + i) * 64 + h * 32 + lane;
-        uint4 q = w[at];
-        acc ^= q.x ^ q.y ^ q.z ^ q.w ^ (unsigned)s[at];
+      for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); acc ^= fold(w[at], s[at]); }
+    }
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+extern "C" __global__ void rot(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
+                               const int* __restrict__ experts, unsigned* out, int ksplit) {
+  ROLE
+  int mb = (NBLK + ksplit - 1 - part) / ksplit;
+  if (mb == 0) return;
+  int q = (int)((e * TASKS + t0) % mb);
+  #pragma unroll 2
+  for (int n = 0; n < mb; n++) {
+    int i = part + ksplit * q;
+    q = q + 1 == mb ? 0 : q + 1;
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      #pragma unroll
+      for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); acc ^= fold(w[at], s[at]); }
+    }
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+extern "C" __global__ void chunk(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
+                                 const int* __restrict__ experts, unsigned* out, int ksplit) {
+  ROLE
+  int per = (NBLK + ksplit - 1) / ksplit;
+  int end = min(NBLK, (part + 1) * per);
+  #pragma unroll 2
+  for (int i = part * per; i < end; i++) {
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      #pragma unroll
+      for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); acc ^= fold(w[at], s[at]); }
+    }
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+extern "C" __global__ void deep4(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
+                                 const int* __restrict__ experts, unsigned* out, int ksplit) {
+  ROLE
+  for (int i0 = part; i0 < NBLK; i0 += 4 * ksplit) {
+    uint4 q[4][MT][2];
+    unsigned short sc[4][MT][2];
+    #pragma unroll
+    for (int d = 0; d < 4; d++) {
+      int i = min(i0 + d * ksplit, NBLK - 1);
+      #pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        #pragma unroll
+        for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); q[d][mt][h] = w[at]; sc[d][mt][h] = s[at]; }
+      }
+    }
+    #pragma unroll
+    for (int d = 0; d < 4; d++) {
+      if (i0 + d * ksplit < NBLK) {
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          #pragma unroll
+          for (int h = 0; h < 2; h++) acc ^= fold(q[d][mt][h], sc[d][mt][h]);
+        }
       }
     }
   }
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
+
+extern "C" __global__ void bmajor(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
+                                  const int* __restrict__ experts, unsigned* out, int ksplit) {
+  ROLE
+  #pragma unroll 2
+  for (int i = part; i < NBLK; i += ksplit) {
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      #pragma unroll
+      for (int h = 0; h < 2; h++) {
+        size_t at = e * EXPERT_VECS + ((size_t)i * TPE + t0 + mt * (TPE / 2)) * 64 + h * 32 + lane;
+        acc ^= fold(w[at], s[at]);
+      }
+    }
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
 extern "C" __global__ void rows(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
                                 const int* __restrict__ experts, unsigned* out, int per_warp) {
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -88,83 +182,137 @@ extern "C" __global__ void rows(const uint4* __restrict__ w, const unsigned shor
   for (int r = 0; r < per_warp; r++) {
     size_t row = r0 + r;
     #pragma unroll
-    for (int i = 0; i < KV / 32; i++) {
-      uint4 q = w[row * KV + lane + 32 * i];
-      acc ^= q.x ^ q.y ^ q.z ^ q.w ^ (unsigned)s[row * KV + lane + 32 * i];
+    for (int i = 0; i < KV / 32; i++) acc ^= fold(w[row * KV + lane + 32 * i], s[row * KV + lane + 32 * i]);
+  }
+  if (acc == 0x9e3779b9u) out[0] = acc;
+}
+
+// Grid-stride over the 8 experts' vectors, `unroll` (4) loads a thread in flight.
+extern "C" __global__ void flat(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
+                                const int* __restrict__ experts, unsigned* out, int unused) {
+  size_t n = 8 * EXPERT_VECS;
+  size_t stride = (size_t)gridDim.x * blockDim.x;
+  unsigned acc = 0;
+  for (size_t i0 = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i0 < n; i0 += 4 * stride) {
+    uint4 q[4];
+    unsigned short sc[4];
+    #pragma unroll
+    for (int d = 0; d < 4; d++) {
+      size_t i = min(i0 + d * stride, n - 1);
+      size_t at = experts[i / EXPERT_VECS] * EXPERT_VECS + i % EXPERT_VECS;
+      q[d] = w[at];
+      sc[d] = s[at];
     }
+    #pragma unroll
+    for (int d = 0; d < 4; d++) acc ^= fold(q[d], sc[d]);
   }
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
 """
 
-POOL, USED, ROWS, KV = 64, 8, 4096, 224
+# rows an expert, 16-byte vectors a row, m tiles a task
+MATRICES = {"gate_up": (4096, 224, 2), "down": (7168, 64, 1)}
+POOL, USED = 64, 8
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the figures here")
-    ap.add_argument("--iters", type=int, default=64)
+    ap.add_argument("--matrix", choices=sorted(MATRICES), default="gate_up")
+    ap.add_argument("--iters", type=int, default=16)
     args = ap.parse_args()
+    rows_e, kv, mt = MATRICES[args.matrix]
+    tasks = rows_e // 16 // mt
     dev = torch.device("cuda")
-    words = torch.randint(-(2**31), 2**31 - 1, (POOL * ROWS * KV * 4,), dtype=torch.int32, device=dev)
-    scales = torch.randint(0, 2**15, (POOL * ROWS * KV,), dtype=torch.int16, device=dev)
+    words = torch.randint(-(2**31), 2**31 - 1, (POOL * rows_e * kv * 4,), dtype=torch.int32, device=dev)
+    scales = torch.randint(0, 2**15, (POOL * rows_e * kv,), dtype=torch.int16, device=dev)
     out = torch.zeros(1, dtype=torch.int32, device=dev)
     gen = torch.Generator().manual_seed(7)
     sets = [torch.randperm(POOL, generator=gen)[:USED].to(torch.int32).to(dev) for _ in range(16)]
-    bytes_per = USED * ROWS * KV * (16 + 2)
+    bytes_per = USED * rows_e * kv * (16 + 2)
 
-    # torch's copy bandwidth (read + write) in the same run
-    a = torch.empty(1 << 28, dtype=torch.float32, device=dev)
+    # torch's copy bandwidth (read + write) in the same run; the same copy (4 GiB read, 4 GiB written) queued before
+    # each pattern's launches hides the host's enqueue of them (~20-50 us a launch from Python, longer than the
+    # kernels): a pattern's time is (copy + launches) - copy
+    a = torch.empty(1 << 30, dtype=torch.float32, device=dev)
     b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
     t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(10):
+
+    def copy_ms():
         b.copy_(a)
-    t1.record()
-    torch.cuda.synchronize()
-    copy_gbs = 2 * a.numel() * 4 * 10 / (t0.elapsed_time(t1) * 1e-3) / 1e9
-    del a, b
+        torch.cuda.synchronize()
+        t0.record()
+        b.copy_(a)
+        t1.record()
+        torch.cuda.synchronize()
+        return t0.elapsed_time(t1)
+
+    copy_alone = sorted(copy_ms() for _ in range(5))[2]
+    copy_gbs = 2 * a.numel() * 4 / (copy_alone * 1e-3) / 1e9
 
     try:
         from torch.cuda import _compile_kernel
     except ImportError as e:
         sys.exit(f"torch.cuda._compile_kernel is not in this torch ({torch.__version__}): {e}")
-    kern = {name: _compile_kernel(SRC, name) for name in ("rowtile", "tiled", "rows")}
+    defines = f"#define ROWS {rows_e}\n#define KV {kv}\n#define NBLK ({kv} / 4)\n#define MT {mt}\n"
+    names = ("rowtile", "tiled", "rot", "chunk", "deep4", "bmajor", "rows", "flat")
+    kern = {name: _compile_kernel(defines + SRC, name) for name in names}
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
-    def timed(name, warps, param, threads=256):
+    def timed(name, warps, param, threads):
         k = kern[name]
         blocks = (warps * 32 + threads - 1) // threads
         run = lambda i: k(grid=(blocks, 1, 1), block=(threads, 1, 1), args=[words, scales, sets[i % 16], out, param])
         for i in range(4):
             run(i)
-        torch.cuda.synchronize()
-        t0.record()
-        for i in range(args.iters):
-            run(i)
-        t1.record()
-        torch.cuda.synchronize()
-        us = t0.elapsed_time(t1) * 1e3 / args.iters
+        samples = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            t0.record()
+            b.copy_(a)
+            h0 = time.perf_counter()
+            for i in range(args.iters):
+                run(i)
+            enqueue_ms = (time.perf_counter() - h0) * 1e3
+            t1.record()
+            torch.cuda.synchronize()
+            # A sample whose enqueue outlasted the copy measured the host, not the kernel: left out.
+            if enqueue_ms < 0.9 * copy_alone:
+                samples.append((t0.elapsed_time(t1) - copy_alone) * 1e3 / args.iters)
+        if len(samples) < 3:
+            return float("nan"), float("nan")
+        us = sorted(samples)[len(samples) // 2]
         return us, bytes_per / (us * 1e-6) / 1e9
 
     rows_out = []
-    print(f"copy bandwidth (torch copy_, read + write): {copy_gbs:.0f} GB/s; bytes a launch {bytes_per / 1e6:.1f} MB")
+    print(f"{args.matrix}: copy bandwidth (torch copy_, read + write): {copy_gbs:.0f} GB/s; bytes a launch "
+          f"{bytes_per / 1e6:.1f} MB")
     print("| pattern | k-split / rows a warp | threads | warps | us | GB/s | % of copy |")
     print("|---|---|---|---|---|---|---|")
-    cases = [("rowtile", ks, 256) for ks in (1, 2, 3, 4)] + [("tiled", ks, 256) for ks in (1, 2, 3, 4)]
-    cases += [("rowtile", 2, 128), ("tiled", 2, 128)]
-    cases += [("rows", pw, 256) for pw in (1, 2, 4, 8)]
+    if args.matrix == "gate_up":
+        cases = [("rowtile", ks, 256) for ks in (1, 2, 3, 4)] + [("tiled", ks, 256) for ks in (1, 2, 3, 4)]
+        cases += [("rowtile", 2, 128), ("tiled", 2, 128), ("tiled", 3, 768), ("rot", 3, 768), ("chunk", 3, 768)]
+        cases += [("deep4", 1, 256), ("deep4", 3, 768), ("bmajor", 3, 768)]
+    else:
+        cases = [(p, ks, th) for p in ("tiled", "rot") for ks in (1, 2, 4) for th in (64, 256)]
+        cases += [("chunk", 2, 64), ("chunk", 4, 256), ("deep4", 1, 64), ("deep4", 1, 256), ("deep4", 2, 64)]
+        cases += [("bmajor", 1, 64), ("bmajor", 2, 64), ("bmajor", 2, 256), ("rowtile", 2, 64)]
+    cases += [("rows", pw, 256) for pw in (1, 2, 4, 8)] + [("flat", 0, 256), ("flat", 0, 512), ("flat", 0, 1024)]
     for name, p, threads in cases:
-        warps = USED * 128 * p if name != "rows" else USED * ROWS // p
+        if name == "rows":
+            warps = USED * rows_e // p
+        elif name == "flat":
+            warps = sms * threads // 32 * (2048 // threads)
+        else:
+            warps = USED * tasks * p
         us, gbs = timed(name, warps, p, threads)
         rows_out.append({"pattern": name, "param": p, "threads": threads, "warps": warps, "us": us, "gbs": gbs,
                          "pct_copy": 100 * gbs / copy_gbs})
         print(f"| {name} | {p} | {threads} | {warps} | {us:.1f} | {gbs:.0f} | {100 * gbs / copy_gbs:.1f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs,
-                       "bytes": bytes_per, "rows": rows_out}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "matrix": args.matrix,
+                       "copy_gbs": copy_gbs, "bytes": bytes_per, "rows": rows_out}, f, indent=1)
 
 
 if __name__ == "__main__":
