@@ -21,7 +21,10 @@ an expert); `--matrix down`: 7168 rows of 2048 columns (7.3 MB and 0.9 MB). Patt
   the same offset read neighbouring kilobytes);
 - `rows`: a warp streams whole rows (an instruction reads 512 contiguous bytes of one row), the GEMV pattern;
 - `flat`: the same bytes read as one contiguous stream per expert, four 16-byte loads a thread in flight (no
-  structure: what one launch of this size reaches).
+  structure: what one launch of this size reaches);
+- the ladder from `tiled` to the kernel's loads-alone launch, one step a level, at the one-token launch shape:
+  `kchain` (behind the kernel's chain of routing reads), `kx` (and the activations' loads), `kred` (and the k-split
+  reduction with its two barriers), `kpipe` (and the kernel's explicit one-block-ahead double buffer).
 
 Every launch reads another 8 of 64 experts (far beyond the 50 MB L2). Prints GB/s per pattern and parameter (k-split,
 rows a warp) and torch's copy bandwidth in the same run; `--json PATH` writes them.
@@ -208,6 +211,100 @@ extern "C" __global__ void flat(const uint4* __restrict__ w, const unsigned shor
   }
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
+
+// The ladder from `tiled` to the expert kernel (`moe_mma::expert_mma_kernel` with `loads_only`), one step a level:
+// 1 `kchain`: `tiled` behind the kernel's chain of reads (the class's end, the slot's expert and offsets, its pair);
+// 2 `kx`: and each block's activations (lanes g < 3, 64 bytes each of their split row, L1/L2-resident);
+// 3 `kred`: and the k-split warps' reduction through shared memory (two barriers) and an output write;
+// 4 `kpipe`: level 3 with the kernel's explicit one-block-ahead double buffer instead of `#pragma unroll 2`.
+template <int L>
+__device__ __forceinline__ void ladder(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
+                                       const int* __restrict__ experts, const int* __restrict__ offsets,
+                                       const int* __restrict__ pairs, const int* __restrict__ bounds,
+                                       const uint4* __restrict__ xs, unsigned* out, int ksplit) {
+  __shared__ unsigned red[32 * 4 * 32];
+  int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int g = lane >> 2, c = lane & 3;
+  int gw = blockIdx.x * (blockDim.x >> 5) + warp;
+  int task = gw / ksplit, part = gw % ksplit;
+  int slot = task / TASKS, t0 = task % TASKS;
+  if (slot >= bounds[1]) return;  // a block's warps share their slot: block-uniform
+  size_t e = experts[slot];
+  int start = offsets[slot], count = offsets[slot + 1] - start;
+  int p = count > 0 ? pairs[start] : 0;
+  size_t xrow = ((size_t)p * 3 + (g < 3 ? g : 0)) * (4 * KV);
+  bool xok = L >= 2 && g < 3;
+  unsigned acc = 0;
+  if (L < 4) {
+    #pragma unroll 2
+    for (int i = part; i < NBLK; i += ksplit) {
+      #pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        #pragma unroll
+        for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); acc ^= fold(w[at], s[at]); }
+      }
+      if (xok) {
+        #pragma unroll
+        for (int q = 0; q < 4; q++) { uint4 x = xs[xrow + 4 * (4 * i + c) + q]; acc ^= x.x ^ x.y ^ x.z ^ x.w; }
+      }
+    }
+  } else {
+    uint4 wa[MT][2], wn[MT][2], xb[4], xn[4];
+    unsigned short sa[MT][2], sn[MT][2];
+    int i = min(part, NBLK - 1);
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      #pragma unroll
+      for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); wa[mt][h] = w[at]; sa[mt][h] = s[at]; }
+    }
+    #pragma unroll
+    for (int q = 0; q < 4; q++) xb[q] = xok ? xs[xrow + 4 * (4 * i + c) + q] : make_uint4(0, 0, 0, 0);
+    for (i = part; i < NBLK; i += ksplit) {
+      int nx = min(i + ksplit, NBLK - 1);
+      #pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        #pragma unroll
+        for (int h = 0; h < 2; h++) { size_t at = TILED_AT(nx, mt, h); wn[mt][h] = w[at]; sn[mt][h] = s[at]; }
+      }
+      #pragma unroll
+      for (int q = 0; q < 4; q++) xn[q] = xok ? xs[xrow + 4 * (4 * nx + c) + q] : make_uint4(0, 0, 0, 0);
+      #pragma unroll
+      for (int mt = 0; mt < MT; mt++) {
+        #pragma unroll
+        for (int h = 0; h < 2; h++) { acc ^= fold(wa[mt][h], sa[mt][h]); wa[mt][h] = wn[mt][h]; sa[mt][h] = sn[mt][h]; }
+      }
+      #pragma unroll
+      for (int q = 0; q < 4; q++) { acc ^= xb[q].x ^ xb[q].y ^ xb[q].z ^ xb[q].w; xb[q] = xn[q]; }
+    }
+  }
+  if (L >= 3) {
+    #pragma unroll
+    for (int a = 0; a < 4; a++) red[(warp * 4 + a) * 32 + lane] = acc + a;
+    __syncthreads();
+    if (part == 0) {
+      for (int s2 = 1; s2 < ksplit; s2++) {
+        #pragma unroll
+        for (int a = 0; a < 4; a++) acc += red[((warp + s2) * 4 + a) * 32 + lane];
+      }
+    }
+    __syncthreads();
+    if (part == 0 && c == 0) out[(gw * 8 + g) & 4095] = acc;
+  } else if (acc == 0x9e3779b9u) {
+    out[0] = acc;
+  }
+}
+
+#define LADDER(name, level) \
+  extern "C" __global__ void name(const uint4* __restrict__ w, const unsigned short* __restrict__ s, \
+                                  const int* __restrict__ experts, const int* __restrict__ offsets, \
+                                  const int* __restrict__ pairs, const int* __restrict__ bounds, \
+                                  const uint4* __restrict__ xs, unsigned* out, int ksplit) { \
+    ladder<level>(w, s, experts, offsets, pairs, bounds, xs, out, ksplit); \
+  }
+LADDER(kchain, 1)
+LADDER(kx, 2)
+LADDER(kred, 3)
+LADDER(kpipe, 4)
 """
 
 # rows an expert, 16-byte vectors a row, m tiles a task
@@ -226,7 +323,13 @@ def main():
     dev = torch.device("cuda")
     words = torch.randint(-(2**31), 2**31 - 1, (POOL * rows_e * kv * 4,), dtype=torch.int32, device=dev)
     scales = torch.randint(0, 2**15, (POOL * rows_e * kv,), dtype=torch.int16, device=dev)
-    out = torch.zeros(1, dtype=torch.int32, device=dev)
+    out = torch.zeros(4096, dtype=torch.int32, device=dev)
+    # The ladder's routing of one token: class 0 holds all 8 slots, one pair each (pairs 0..8 in a fixed order),
+    # and the pairs' split activations (3 BF16 parts of k columns a pair: 4 KV 16-byte vectors a part).
+    bounds = torch.tensor([0, USED, USED, USED], dtype=torch.int32, device=dev)
+    offsets = torch.arange(USED + 1, dtype=torch.int32, device=dev)
+    pairs = torch.tensor([3, 0, 6, 1, 7, 2, 5, 4], dtype=torch.int32, device=dev)
+    xs = torch.randint(-(2**31), 2**31 - 1, (USED * 3 * 4 * kv * 4,), dtype=torch.int32, device=dev)
     gen = torch.Generator().manual_seed(7)
     sets = [torch.randperm(POOL, generator=gen)[:USED].to(torch.int32).to(dev) for _ in range(16)]
     bytes_per = USED * rows_e * kv * (16 + 2)
@@ -255,14 +358,18 @@ def main():
     except ImportError as e:
         sys.exit(f"torch.cuda._compile_kernel is not in this torch ({torch.__version__}): {e}")
     defines = f"#define ROWS {rows_e}\n#define KV {kv}\n#define NBLK ({kv} / 4)\n#define MT {mt}\n"
-    names = ("rowtile", "tiled", "rot", "chunk", "deep4", "bmajor", "rows", "flat")
+    names = ("rowtile", "tiled", "rot", "chunk", "deep4", "bmajor", "rows", "flat", "kchain", "kx", "kred", "kpipe")
     kern = {name: _compile_kernel(defines + SRC, name) for name in names}
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
     def timed(name, warps, param, threads):
         k = kern[name]
         blocks = (warps * 32 + threads - 1) // threads
-        run = lambda i: k(grid=(blocks, 1, 1), block=(threads, 1, 1), args=[words, scales, sets[i % 16], out, param])
+        if name.startswith("k"):
+            bufs = lambda i: [words, scales, sets[i % 16], offsets, pairs, bounds, xs, out, param]
+        else:
+            bufs = lambda i: [words, scales, sets[i % 16], out, param]
+        run = lambda i: k(grid=(blocks, 1, 1), block=(threads, 1, 1), args=bufs(i))
         for i in range(4):
             run(i)
         samples = []
@@ -298,6 +405,9 @@ def main():
         cases += [("chunk", 2, 64), ("chunk", 4, 256), ("deep4", 1, 64), ("deep4", 1, 256), ("deep4", 2, 64)]
         cases += [("bmajor", 1, 64), ("bmajor", 2, 64), ("bmajor", 2, 256), ("rowtile", 2, 64)]
     cases += [("rows", pw, 256) for pw in (1, 2, 4, 8)] + [("flat", 0, 256), ("flat", 0, 512), ("flat", 0, 1024)]
+    # The ladder at the one-token launch shapes (gate/up 8 tasks x k-split 3, down 1 task x k-split 2), `tiled` first.
+    ks, th = (3, 768) if args.matrix == "gate_up" else (2, 64)
+    cases += [(name, ks, th) for name in ("tiled", "kchain", "kx", "kred", "kpipe")]
     for name, p, threads in cases:
         if name == "rows":
             warps = USED * rows_e // p
