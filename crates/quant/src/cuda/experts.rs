@@ -224,9 +224,10 @@ fn tiled_layout_allowed() -> bool {
 ///
 /// Why: the tensor-core kernel's lane `(g, c)` loads vector `4 i + c` of rows `g` and `g + 8` of its tile; in the
 /// checkpoint's row-major order one load instruction then reads 8 rows x 64 bytes, in this order 512 contiguous
-/// bytes. Read alone, with the kernel's warps, 8 experts' gate/up weights stream at 64.6% of the copy bandwidth
-/// row-major and 70.5% tiled (80.7% against 67.9% with 8-warp blocks; `scripts/moe_load_pattern.py`,
-/// bench/REPORT.md session 15). `k` a multiple of 128, `row` any row of a matrix of a multiple of 16 rows.
+/// bytes. Read alone, with the kernel's warps (k-split 2-3), 8 experts' gate/up weights stream at 71-75% of the
+/// copy bandwidth row-major and 87-93% tiled (`scripts/moe_load_pattern.py` timed behind a copy, bench/REPORT.md
+/// session 25; session 15's figures timed Python's launches). `k` a multiple of 128, `row` any row of a matrix of a
+/// multiple of 16 rows.
 pub fn tiled_vector(row: usize, v: usize, k: usize) -> usize {
     let nblk = k / 128;
     ((row / 16 * nblk + v / 4) * 2 + (row % 16) / 8) * 32 + (row % 8) * 4 + v % 4
