@@ -234,7 +234,7 @@ __device__ __forceinline__ void ladder(const uint4* __restrict__ w, const unsign
   int p = count > 0 ? pairs[start] : 0;
   size_t xrow = ((size_t)p * 3 + (g < 3 ? g : 0)) * (4 * KV);
   bool xok = L >= 2 && g < 3;
-  unsigned acc = 0;
+  unsigned acc = (unsigned)p;  // the pair's read stays live at every level
   if (L < 4) {
     #pragma unroll 2
     for (int i = part; i < NBLK; i += ksplit) {
