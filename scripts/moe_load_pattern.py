@@ -58,6 +58,18 @@ __device__ __forceinline__ unsigned fold(uint4 q, unsigned short sc) { return q.
 
 #define TILED_AT(i, mt, h) (((e * TPE + t0 + (mt) * (TPE / 2)) * NBLK + (i)) * 64 + (h) * 32 + lane)
 
+// Block i (128 columns) of the task's m tiles in the tiled layout, words and scales folded.
+__device__ __forceinline__ unsigned tiled_block(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
+                                                size_t e, int t0, int lane, int i) {
+  unsigned acc = 0;
+  #pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    #pragma unroll
+    for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); acc ^= fold(w[at], s[at]); }
+  }
+  return acc;
+}
+
 extern "C" __global__ void rowtile(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
                                    const int* __restrict__ experts, unsigned* out, int ksplit) {
   ROLE
@@ -82,11 +94,7 @@ extern "C" __global__ void tiled(const uint4* __restrict__ w, const unsigned sho
   ROLE
   #pragma unroll 2
   for (int i = part; i < NBLK; i += ksplit) {
-    #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-      #pragma unroll
-      for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); acc ^= fold(w[at], s[at]); }
-    }
+    acc ^= tiled_block(w, s, e, t0, lane, i);
   }
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
@@ -101,11 +109,7 @@ extern "C" __global__ void rot(const uint4* __restrict__ w, const unsigned short
   for (int n = 0; n < mb; n++) {
     int i = part + ksplit * q;
     q = q + 1 == mb ? 0 : q + 1;
-    #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-      #pragma unroll
-      for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); acc ^= fold(w[at], s[at]); }
-    }
+    acc ^= tiled_block(w, s, e, t0, lane, i);
   }
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
@@ -117,11 +121,7 @@ extern "C" __global__ void chunk(const uint4* __restrict__ w, const unsigned sho
   int end = min(NBLK, (part + 1) * per);
   #pragma unroll 2
   for (int i = part * per; i < end; i++) {
-    #pragma unroll
-    for (int mt = 0; mt < MT; mt++) {
-      #pragma unroll
-      for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); acc ^= fold(w[at], s[at]); }
-    }
+    acc ^= tiled_block(w, s, e, t0, lane, i);
   }
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
@@ -238,11 +238,7 @@ __device__ __forceinline__ void ladder(const uint4* __restrict__ w, const unsign
   if (L < 4) {
     #pragma unroll 2
     for (int i = part; i < NBLK; i += ksplit) {
-      #pragma unroll
-      for (int mt = 0; mt < MT; mt++) {
-        #pragma unroll
-        for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); acc ^= fold(w[at], s[at]); }
-      }
+      acc ^= tiled_block(w, s, e, t0, lane, i);
       if (xok) {
         #pragma unroll
         for (int q = 0; q < 4; q++) { uint4 x = xs[xrow + 4 * (4 * i + c) + q]; acc ^= x.x ^ x.y ^ x.z ^ x.w; }
