@@ -24,7 +24,8 @@ an expert); `--matrix down`: 7168 rows of 2048 columns (7.3 MB and 0.9 MB). Patt
   structure: what one launch of this size reaches);
 - the ladder from `tiled` to the kernel's loads-alone launch, one step a level, at the one-token launch shape:
   `kchain` (behind the kernel's chain of routing reads), `kx` (and the activations' loads), `kred` (and the k-split
-  reduction with its two barriers), `kpipe` (and the kernel's explicit one-block-ahead double buffer).
+  reduction with its two barriers), `kpipe` (and the kernel's explicit one-block-ahead double buffer), `kmma` (and
+  the kernel's dequantization and MMAs: the expert kernel in plain CUDA, less its scale layout and epilogue).
 
 Every launch reads another 8 of 64 experts (far beyond the 50 MB L2). Prints GB/s per pattern and parameter (k-split,
 rows a warp) and torch's copy bandwidth in the same run; `--json PATH` writes them.
@@ -212,11 +213,47 @@ extern "C" __global__ void flat(const uint4* __restrict__ w, const unsigned shor
   if (acc == 0x9e3779b9u) out[0] = acc;
 }
 
+// Level 5's math, as the expert kernel does it (`moe_mma::block_mma`): a weight pair is `((word >> 4p) & 0x000F000F)
+// | bias` as BF16 (128 + u), minus 136, times the scale (one HADD2 and one HMUL2 a pair: the rounding differs from
+// the kernel's, which does not matter for timing), and 8 `mma.sync.m16n8k16` a 128-column block per m tile.
+__device__ __forceinline__ unsigned wpair(unsigned word, int p, unsigned bias, unsigned scale2) {
+  unsigned bits = ((word >> (4 * p)) & 0x000F000Fu) | bias, r;
+  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(bits), "r"(0x43084308u));
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(r), "r"(scale2));
+  return r;
+}
+
+__device__ __forceinline__ unsigned word_of(uint4 v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+__device__ __forceinline__ void block_mma(const uint4 (&wa)[MT][2], const unsigned short (&sa)[MT][2],
+                                          const uint4 (&xb)[4], float (&accf)[MT][4], unsigned bias) {
+  #pragma unroll
+  for (int mt = 0; mt < MT; mt++) {
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    unsigned s0 = (unsigned)sa[mt][0] * 0x10001u, s1 = (unsigned)sa[mt][1] * 0x10001u;
+    #pragma unroll
+    for (int t = 0; t < 8; t++) {
+      int wi = t / 2, p0 = 2 * (t % 2);
+      unsigned a0 = wpair(word_of(wa[mt][0], wi), p0, bias, s0), a1 = wpair(word_of(wa[mt][1], wi), p0, bias, s1);
+      unsigned a2 = wpair(word_of(wa[mt][0], wi), p0 + 1, bias, s0), a3 = wpair(word_of(wa[mt][1], wi), p0 + 1, bias, s1);
+      unsigned b0 = word_of(xb[t / 2], 2 * (t % 2)), b1 = word_of(xb[t / 2], 2 * (t % 2) + 1);
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};"
+                   : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                   : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+    #pragma unroll
+    for (int q = 0; q < 4; q++) accf[mt][q] += d[q];
+  }
+}
+
 // The ladder from `tiled` to the expert kernel (`moe_mma::expert_mma_kernel` with `loads_only`), one step a level:
 // 1 `kchain`: `tiled` behind the kernel's chain of reads (the class's end, the slot's expert and offsets, its pair);
 // 2 `kx`: and each block's activations (lanes g < 3, 64 bytes each of their split row, L1/L2-resident);
 // 3 `kred`: and the k-split warps' reduction through shared memory (two barriers) and an output write;
-// 4 `kpipe`: level 3 with the kernel's explicit one-block-ahead double buffer instead of `#pragma unroll 2`.
+// 4 `kpipe`: level 3 with the kernel's explicit one-block-ahead double buffer instead of `#pragma unroll 2`;
+// 5 `kmma`: level 4 with the kernel's dequantization and MMAs in place of the checksum (the expert kernel itself,
+//   less its layout of scales and its epilogue, in plain CUDA).
 template <int L>
 __device__ __forceinline__ void ladder(const uint4* __restrict__ w, const unsigned short* __restrict__ s,
                                        const int* __restrict__ experts, const int* __restrict__ offsets,
@@ -247,6 +284,10 @@ __device__ __forceinline__ void ladder(const uint4* __restrict__ w, const unsign
   } else {
     uint4 wa[MT][2], wn[MT][2], xb[4], xn[4];
     unsigned short sa[MT][2], sn[MT][2];
+    float accf[MT][4] = {};
+    // The weights' bias in a register, as the kernel passes it (one LOP3 a pair): from an argument the compiler
+    // cannot fold (`ksplit` is small, so the xor changes nothing).
+    unsigned bias = 0x43004300u ^ ((unsigned)ksplit & 0x80000000u);
     int i = min(part, NBLK - 1);
     #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
@@ -264,13 +305,29 @@ __device__ __forceinline__ void ladder(const uint4* __restrict__ w, const unsign
       }
       #pragma unroll
       for (int q = 0; q < 4; q++) xn[q] = xok ? xs[xrow + 4 * (4 * nx + c) + q] : make_uint4(0, 0, 0, 0);
+      if (L >= 5) {
+        block_mma(wa, sa, xb, accf, bias);
+      } else {
+        #pragma unroll
+        for (int mt = 0; mt < MT; mt++) {
+          #pragma unroll
+          for (int h = 0; h < 2; h++) acc ^= fold(wa[mt][h], sa[mt][h]);
+        }
+        #pragma unroll
+        for (int q = 0; q < 4; q++) acc ^= xb[q].x ^ xb[q].y ^ xb[q].z ^ xb[q].w;
+      }
       #pragma unroll
       for (int mt = 0; mt < MT; mt++) {
         #pragma unroll
-        for (int h = 0; h < 2; h++) { acc ^= fold(wa[mt][h], sa[mt][h]); wa[mt][h] = wn[mt][h]; sa[mt][h] = sn[mt][h]; }
+        for (int h = 0; h < 2; h++) { wa[mt][h] = wn[mt][h]; sa[mt][h] = sn[mt][h]; }
       }
       #pragma unroll
-      for (int q = 0; q < 4; q++) { acc ^= xb[q].x ^ xb[q].y ^ xb[q].z ^ xb[q].w; xb[q] = xn[q]; }
+      for (int q = 0; q < 4; q++) xb[q] = xn[q];
+    }
+    #pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+      #pragma unroll
+      for (int q = 0; q < 4; q++) acc ^= __float_as_uint(accf[mt][q]);
     }
   }
   if (L >= 3) {
@@ -301,6 +358,7 @@ LADDER(kchain, 1)
 LADDER(kx, 2)
 LADDER(kred, 3)
 LADDER(kpipe, 4)
+LADDER(kmma, 5)
 """
 
 # rows an expert, 16-byte vectors a row, m tiles a task
@@ -354,7 +412,7 @@ def main():
     except ImportError as e:
         sys.exit(f"torch.cuda._compile_kernel is not in this torch ({torch.__version__}): {e}")
     defines = f"#define ROWS {rows_e}\n#define KV {kv}\n#define NBLK ({kv} / 4)\n#define MT {mt}\n"
-    names = ("rowtile", "tiled", "rot", "chunk", "deep4", "bmajor", "rows", "flat", "kchain", "kx", "kred", "kpipe")
+    names = ("rowtile", "tiled", "rot", "chunk", "deep4", "bmajor", "rows", "flat", "kchain", "kx", "kred", "kpipe", "kmma")
     kern = {name: _compile_kernel(defines + SRC, name) for name in names}
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
@@ -403,7 +461,7 @@ def main():
     cases += [("rows", pw, 256) for pw in (1, 2, 4, 8)] + [("flat", 0, 256), ("flat", 0, 512), ("flat", 0, 1024)]
     # The ladder at the one-token launch shapes (gate/up 8 tasks x k-split 3, down 1 task x k-split 2), `tiled` first.
     ks, th = (3, 768) if args.matrix == "gate_up" else (2, 64)
-    cases += [(name, ks, th) for name in ("tiled", "kchain", "kx", "kred", "kpipe")]
+    cases += [(name, ks, th) for name in ("tiled", "kchain", "kx", "kred", "kpipe", "kmma")]
     for name, p, threads in cases:
         if name == "rows":
             warps = USED * rows_e // p
