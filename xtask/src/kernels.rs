@@ -145,7 +145,7 @@ pub fn kernels(root: &Path, args: &[String]) -> Result<()> {
     if install {
         run(&mut pip_command(&pip_dir(root)))?;
     }
-    let (lib, include) = find_cuda(root, nvrtc, include)?;
+    let cuda = find_cuda(root, nvrtc, include)?;
     let json = json.unwrap_or_else(|| target_dir(root).join(format!("kernels-{arch}.json")));
     run(cargo().args([
         "build",
@@ -159,14 +159,25 @@ pub fn kernels(root: &Path, args: &[String]) -> Result<()> {
         "kernel_resources",
     ]))?;
     let bin = target_dir(root).join("release/examples/kernel_resources");
-    let crt = crt_include(&include).with_context(|| {
+    run_resources(&bin, &arch, &cuda, &json, &pass)
+}
+
+/// Runs `kernel_resources` for `arch` with NVRTC and headers `(lib, include)`, the extra arguments `pass`.
+fn run_resources(
+    bin: &Path,
+    arch: &str,
+    (lib, include): &(PathBuf, PathBuf),
+    json: &Path,
+    pass: &[String],
+) -> Result<()> {
+    let crt = crt_include(include).with_context(|| {
         format!(
             "crt/mma.h not found beside {} (the tensor-core kernels include mma.h): `cargo xtask kernels --install` \
              (pip's nvidia-cuda-nvcc-cu12=={PIP_CUDA}.*)",
             include.display()
         )
     })?;
-    let cccl = cccl_include(&include).with_context(|| {
+    let cccl = cccl_include(include).with_context(|| {
         format!(
             "cuda/barrier not found beside {} (the attention kernel's cp.async copies include it): `cargo xtask \
              kernels --install` (pip's nvidia-cuda-cccl-cu12=={PIP_CUDA}.*)",
@@ -174,14 +185,86 @@ pub fn kernels(root: &Path, args: &[String]) -> Result<()> {
         )
     })?;
     let mut cmd = Command::new(bin);
-    cmd.args(["--arch", &arch, "--nvrtc"]).arg(&lib).arg("--include").arg(&include);
+    cmd.args(["--arch", arch, "--nvrtc"]).arg(lib).arg("--include").arg(include);
     for extra in [crt, cccl] {
-        if extra != include {
+        if extra != *include {
             cmd.arg("--include").arg(&extra);
         }
     }
-    run(cmd.arg("--json").arg(&json).args(&pass))
+    run(cmd.arg("--json").arg(json).args(pass))
         .with_context(|| format!("kernel check for {arch} failed (see the table above)"))
+}
+
+/// CI's kernel check (`cargo xtask ci`, after the tests): every kernel specialisation compiled by NVRTC for sm_120,
+/// each within SM120's per-block limits (issue 4's check, so that a kernel NVRTC refuses or one that outgrows the
+/// user's GPU fails CI, not a GPU run), and CubeCL's code reproducible: the MoE down kernels dumped twice give
+/// byte-identical CUBINs (bench/REPORT.md, session 24: what makes a dump an exact check of a refactor). Uses the
+/// `kernel_resources` example that `cargo test --workspace` built (no release build); installs CUDA 12.8's NVRTC
+/// and headers from pip under the target dir when they are not found.
+pub fn ci(root: &Path) -> Result<()> {
+    let bin = test_built_example(root, "kernel_resources")?;
+    let cuda = match find_cuda(root, None, None) {
+        Ok(found) => found,
+        Err(_) => {
+            run(&mut pip_command(&pip_dir(root)))?;
+            find_cuda(root, None, None)?
+        }
+    };
+    let out = target_dir(root);
+    run_resources(&bin, "sm_120", &cuda, &out.join("kernels-sm_120.json"), &[])?;
+    let dumps = [out.join("kernel-dump-a"), out.join("kernel-dump-b")];
+    for d in &dumps {
+        if d.exists() {
+            std::fs::remove_dir_all(d).with_context(|| format!("removing {}", d.display()))?;
+        }
+        let pass = ["--only".to_string(), "mma down".to_string(), "--dump".to_string(), d.display().to_string()];
+        run_resources(&bin, "sm_90", &cuda, &out.join("kernels-sm_90-dump.json"), &pass)?;
+    }
+    let mut compared = 0;
+    for entry in std::fs::read_dir(&dumps[0]).with_context(|| format!("reading {}", dumps[0].display()))? {
+        let a = entry?.path();
+        if a.extension().is_some_and(|e| e == "cubin") {
+            let b = dumps[1].join(a.file_name().unwrap_or_default());
+            let (x, y) = (std::fs::read(&a)?, std::fs::read(&b).with_context(|| format!("reading {}", b.display()))?);
+            if x != y {
+                bail!(
+                    "{} and {} differ: CubeCL's code for a kernel changed between two processes",
+                    a.display(),
+                    b.display()
+                );
+            }
+            compared += 1;
+        }
+    }
+    if compared == 0 {
+        bail!("no CUBIN in {}: the determinism check compared nothing", dumps[0].display());
+    }
+    println!("kernel dumps: {compared} CUBINs byte-identical across two processes");
+    Ok(())
+}
+
+/// The path of example `name` as `cargo test --workspace` built it (with the workspace's features), from cargo's
+/// JSON messages (a no-op build right after the tests).
+fn test_built_example(root: &Path, name: &str) -> Result<PathBuf> {
+    let out = cargo()
+        .current_dir(root)
+        .args(["test", "--workspace", "--no-run", "--locked", "--message-format=json"])
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .context("running cargo test --no-run")?;
+    if !out.status.success() {
+        bail!("cargo test --workspace --no-run failed");
+    }
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|m| {
+            m["reason"] == "compiler-artifact"
+                && m["target"]["name"] == name
+                && m["target"]["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "example"))
+        })
+        .and_then(|m| m["executable"].as_str().map(PathBuf::from))
+        .with_context(|| format!("cargo test --workspace did not build the example {name}"))
 }
 
 /// cudarc's `CUDARC_CUDA_VERSION` for a CUDA version `X.Y` (`12.8` -> `12080`), if cudarc 0.19 supports it.

@@ -106,7 +106,8 @@ fn ci() -> Result<()> {
     // eyrie-quant is reusable alone: it must build without the features the workspace turns on for it (a
     // `cuda`-only item outside `cfg(feature = "cuda")` broke that unnoticed from session 6 to 13).
     run(cargo().args(["check", "--package", "eyrie-quant", "--lib", "--locked"]))?;
-    test()
+    test()?;
+    kernels::ci(&workspace_root())
 }
 
 fn test() -> Result<()> {
