@@ -31,6 +31,29 @@ struct DecodeArgs<N: Size> {
     scale: Ex<f32>,
 }
 
+/// `$kernel`'s expansion into `$b` with the shared decode arguments `$x` (in their order), then the kernel's own
+/// comptime arguments; `N` is the caller's vector size type.
+macro_rules! expand_decode {
+    ($kernel:ident, $b:ident, $x:ident, $($own:expr),+ $(,)?) => {
+        $kernel::expand::<N>(
+            &mut $b.scope,
+            VEC,
+            $x.q,
+            $x.cache,
+            $x.meta,
+            $x.o_part,
+            $x.ml_part,
+            $x.n_rows,
+            $x.heads,
+            $x.max_blocks,
+            $x.block_size,
+            $x.chunk,
+            $x.scale,
+            $($own),+
+        )
+    };
+}
+
 /// A builder (32-bit indexing, vectors of [`VEC`] registered as `N`) and the decode kernels' shared arguments.
 fn decode_args<N: Size + 'static>(props: &DeviceProperties) -> (KernelBuilder, DecodeArgs<N>) {
     let mut b = builder(props, AddressType::U32);
@@ -59,25 +82,7 @@ pub(super) fn define_mla_attention(
     type N = DynamicSize<_N>;
     let address = AddressType::U32;
     let (mut b, x) = decode_args::<N>(props);
-    mla_attention_kernel::expand::<N>(
-        &mut b.scope,
-        VEC,
-        x.q,
-        x.cache,
-        x.meta,
-        x.o_part,
-        x.ml_part,
-        x.n_rows,
-        x.heads,
-        x.max_blocks,
-        x.block_size,
-        x.chunk,
-        x.scale,
-        r,
-        rot,
-        warps,
-        hpw,
-    );
+    expand_decode!(mla_attention_kernel, b, x, r, rot, warps, hpw);
     let name = format!("mla_attention_kernel_n_{VEC}");
     b.build(
         KernelSettings::default().cube_dim(CubeDim::new_2d(32, warps as u32)).address_type(address).kernel_name(name),
@@ -94,27 +99,7 @@ pub(super) fn define_mla_attention_dims(
     type N = DynamicSize<_N>;
     let address = AddressType::U32;
     let (mut b, x) = decode_args::<N>(props);
-    mla_attention_dims_kernel::expand::<N>(
-        &mut b.scope,
-        VEC,
-        x.q,
-        x.cache,
-        x.meta,
-        x.o_part,
-        x.ml_part,
-        x.n_rows,
-        x.heads,
-        x.max_blocks,
-        x.block_size,
-        x.chunk,
-        x.scale,
-        r,
-        rot,
-        shape.wh,
-        shape.wk,
-        shape.hpw,
-        shape.sg,
-    );
+    expand_decode!(mla_attention_dims_kernel, b, x, r, rot, shape.wh, shape.wk, shape.hpw, shape.sg);
     let name = format!("mla_attention_dims_kernel_n_{VEC}");
     let dim = CubeDim::new_2d(32, (shape.wh * shape.wk) as u32);
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
@@ -130,26 +115,7 @@ pub(super) fn define_mla_attention_mma(
     type N = DynamicSize<_N>;
     let address = AddressType::U32;
     let (mut b, x) = decode_args::<N>(props);
-    mla_attention_mma_kernel::expand::<N>(
-        &mut b.scope,
-        VEC,
-        x.q,
-        x.cache,
-        x.meta,
-        x.o_part,
-        x.ml_part,
-        x.n_rows,
-        x.heads,
-        x.max_blocks,
-        x.block_size,
-        x.chunk,
-        x.scale,
-        r,
-        rot,
-        shape.tiles,
-        shape.wk,
-        shape.pt,
-    );
+    expand_decode!(mla_attention_mma_kernel, b, x, r, rot, shape.tiles, shape.wk, shape.pt);
     let name = format!("mla_attention_mma_kernel_n_{VEC}");
     let dim = CubeDim::new_2d(32, (shape.tiles * shape.wk) as u32);
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
