@@ -774,78 +774,50 @@ pub(crate) mod gpu {
             let meta = ArrayArg::from_raw_parts(meta.clone(), meta_len);
             let o_arg = ArrayArg::from_raw_parts(o_part.clone(), o_len / 4);
             let ml_arg = ArrayArg::from_raw_parts(ml_part.clone(), cfg.splits * pairs * 2);
+            use crate::cuda::attention_dims::mla_attention_dims_kernel;
+            use crate::cuda::attention_mma::mla_attention_mma_kernel;
+            // `$kernel` launched with the three decode kernels' shared arguments (in their order), then its own.
+            macro_rules! launch_decode {
+                ($kernel:ident, $count:expr, $dim:expr, $($own:expr),+ $(,)?) => {
+                    $kernel::launch_unchecked::<R>(
+                        client, $count, $dim, address, 4, q, cache, meta, o_arg, ml_arg, rows_u, heads_u, max_blocks,
+                        block_size, chunk_u, scale, $($own),+
+                    )
+                };
+            }
             match cfg.lanes {
-                super::Lanes::Keys => mla_attention_kernel::launch_unchecked::<R>(
-                    client,
+                super::Lanes::Keys => launch_decode!(
+                    mla_attention_kernel,
                     CubeCount::Static(cfg.splits as u32, rows_u, groups),
                     CubeDim::new_2d(32, cfg.warps as u32),
-                    address,
-                    4,
-                    q,
-                    cache,
-                    meta,
-                    o_arg,
-                    ml_arg,
-                    rows_u,
-                    heads_u,
-                    max_blocks,
-                    block_size,
-                    chunk_u,
-                    scale,
                     r,
                     rot,
                     cfg.warps,
-                    cfg.hpw,
+                    cfg.hpw
                 ),
                 super::Lanes::Dims { key_warps, groups: sg } => {
-                    crate::cuda::attention_dims::mla_attention_dims_kernel::launch_unchecked::<R>(
-                        client,
+                    launch_decode!(
+                        mla_attention_dims_kernel,
                         CubeCount::Static(groups, cfg.splits as u32, rows_u),
                         CubeDim::new_2d(32, (cfg.warps * key_warps) as u32),
-                        address,
-                        4,
-                        q,
-                        cache,
-                        meta,
-                        o_arg,
-                        ml_arg,
-                        rows_u,
-                        heads_u,
-                        max_blocks,
-                        block_size,
-                        chunk_u,
-                        scale,
                         r,
                         rot,
                         cfg.warps,
                         key_warps,
                         cfg.hpw,
-                        sg,
+                        sg
                     )
                 }
                 super::Lanes::Mma { tiles, positions } => {
-                    crate::cuda::attention_mma::mla_attention_mma_kernel::launch_unchecked::<R>(
-                        client,
+                    launch_decode!(
+                        mla_attention_mma_kernel,
                         CubeCount::Static(groups, cfg.splits as u32, rows_u),
                         CubeDim::new_2d(32, cfg.warps as u32),
-                        address,
-                        4,
-                        q,
-                        cache,
-                        meta,
-                        o_arg,
-                        ml_arg,
-                        rows_u,
-                        heads_u,
-                        max_blocks,
-                        block_size,
-                        chunk_u,
-                        scale,
                         r,
                         rot,
                         tiles,
                         cfg.warps / tiles,
-                        positions,
+                        positions
                     )
                 }
             }
