@@ -499,6 +499,15 @@ MATRICES = {"gate_up": (4096, 224, 2), "down": (7168, 64, 1)}
 POOL, USED = 64, 8
 
 
+def compiler():
+    """torch's NVRTC front end (`torch.cuda._compile_kernel`), or exit naming what is missing."""
+    try:
+        from torch.cuda import _compile_kernel
+    except ImportError as e:
+        sys.exit(f"torch.cuda._compile_kernel is not in this torch ({torch.__version__}): {e}")
+    return _compile_kernel
+
+
 def queued_copy(dev, floats):
     """The copy that `behind_copy` queues before the launches it times (`floats` f32 read and as many written):
     its buffers, two timing events, its time alone (ms, median of 5) and its bandwidth (GB/s, read + write)."""
@@ -550,6 +559,10 @@ def main():
     ap.add_argument("--overlap", action="store_true",
                     help="instead: gate/up's and down's `kmma` alone, one after the other, and on two streams at once")
     args = ap.parse_args()
+    if args.iters < 1:
+        ap.error(f"--iters {args.iters}: at least 1 launch is timed a sample")
+    if not torch.cuda.is_available():
+        sys.exit("moe_load_pattern: no CUDA device (run it on the GPU machine)")
     if args.overlap:
         return overlap(args)
     rows_e, kv, mt = MATRICES[args.matrix]
@@ -573,10 +586,7 @@ def main():
     # kernels): a pattern's time is (copy + launches) - copy
     a, b, t0, t1, copy_alone, copy_gbs = queued_copy(dev, 1 << 30)
 
-    try:
-        from torch.cuda import _compile_kernel
-    except ImportError as e:
-        sys.exit(f"torch.cuda._compile_kernel is not in this torch ({torch.__version__}): {e}")
+    _compile_kernel = compiler()
     # The ladder's launch shape (gate/up 8 tasks x k-split 3, down 1 task x k-split 2): its reduction's shared
     # memory is sized for its block, as the kernel's is (a 16 KB array in 2-warp blocks cut down's occupancy).
     ladder_ks, ladder_threads = (3, 768) if args.matrix == "gate_up" else (2, 64)
@@ -658,7 +668,7 @@ def overlap(args):
     bound for one launch doing both, where down's weight streams need not wait for gate/up's tail). GPU us a pair of
     launches, behind a queued copy as in `main`."""
     dev = torch.device("cuda")
-    from torch.cuda import _compile_kernel
+    _compile_kernel = compiler()
 
     side = {}
     gen = torch.Generator().manual_seed(7)
