@@ -567,7 +567,7 @@ fn main() -> Result<(), Error> {
                 let lc = burn_cubecl::kernel::into_contiguous(lt.into_primitive().tensor());
                 let bc = burn_cubecl::kernel::into_contiguous(bt.into_primitive().tensor());
                 let client = lc.client.clone();
-                let run = || route_on_device(&client, &spec, &lc.handle, &bc.handle, m);
+                let run = || route_on_device(&client, &spec, &lc.handle, &bc.handle, m, None);
                 let got = run()?.read_back(&client)?;
                 let scores: Vec<f32> = logits.iter().map(|&x| (1.0 / (1.0 + (-f64::from(x)).exp())) as f32).collect();
                 let want = route(&scores, &bias, &params);
@@ -621,7 +621,7 @@ fn main() -> Result<(), Error> {
     // A whole MoE block (router, fused INT4 experts, shared expert) with the routing chosen on the device vs on
     // the host: the same experts and weights up to the sigmoid's last bit, so outputs within 1e-6.
     {
-        use eyrie_model::fused_moe::set_host_router;
+        use eyrie_model::fused_moe::{set_host_router, set_route_split};
         use eyrie_model::linear::StoredLinear;
         use eyrie_model::mlp::{Expert, Mlp};
         use eyrie_model::moe::{Moe, RouterParams};
@@ -692,6 +692,18 @@ fn main() -> Result<(), Error> {
             set_host_router(false);
             let dev_out = host(moe.forward(xt.clone()));
             let us_dev = time(&device, || drop(moe.forward(xt.clone())));
+            // The input's split written by the route launch (the default) against the layer's own split launch.
+            set_route_split(false);
+            let own_split = host(moe.forward(xt.clone()));
+            let us_own = time(&device, || drop(moe.forward(xt.clone())));
+            set_route_split(true);
+            let same_split = own_split == dev_out;
+            println!(
+                "| moe block, input split in the route launch == its own launch (bit-identical: {same_split}) | {m} x {d}, 384 experts top-8 | - | - | {us_dev:.1} | {us_own:.1} | {same_split} |"
+            );
+            failed |= !same_split;
+            rows.push(serde_json::json!({"op": "moe_block_route_split", "m": m, "bit_identical": same_split,
+                "route_split_us": us_dev, "own_split_us": us_own, "ok": same_split}));
             let want: Vec<f64> = host_out.iter().map(|&v| f64::from(v)).collect();
             let e = err(&dev_out, &want);
             let same = dev_out == host_out;

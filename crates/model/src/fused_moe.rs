@@ -47,6 +47,15 @@ pub fn set_host_router(host: bool) {
     HOST_ROUTER.store(host, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Whether the device router's launch also splits the layer's input for the tensor-core experts (default), sparing
+/// the layer its own split launch; off, the layer splits it itself (checks compare the two: bit-identical).
+static ROUTE_SPLIT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Sets [`ROUTE_SPLIT`]: whether the device router's launch writes the input's split (`true`, the default).
+pub fn set_route_split(on: bool) {
+    ROUTE_SPLIT.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether the fused path routes on the host (see [`set_host_router`]).
 pub fn host_router() -> bool {
     static ENV: std::sync::Once = std::sync::Once::new();
@@ -363,7 +372,8 @@ mod kernel {
         }
         let client = xc.client.clone();
         let experts = gpu_experts(f)?;
-        let routing = route_on_device(&client, spec, &lc.handle, &bc.handle, n).ok()?;
+        let split = super::ROUTE_SPLIT.load(std::sync::atomic::Ordering::Relaxed).then_some((&xc.handle, d));
+        let routing = route_on_device(&client, spec, &lc.handle, &bc.handle, n, split).ok()?;
         let out = client.empty(n * d * 4);
         match &pc {
             Some(p) => moe_forward_add::<_, f32>(&client, &experts, &xc.handle, &routing, &p.handle, &out),

@@ -211,7 +211,7 @@ fn main() -> Result<()> {
     let mut specs = moe_kernel_specs(&args.shape, args.topk, limit);
     specs.extend(attention_and_dense_specs(r, rot, &KIMI_DENSE_K, limit));
     for router in &ROUTERS {
-        specs.extend(router_specs(router));
+        specs.extend(router_specs(router, args.shape.hidden));
     }
     specs.extend(mla_and_norm_specs(&KIMI_NORM_WIDTHS));
     if let Some(only) = &args.only {
@@ -349,9 +349,9 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     "k": k, "tb": cfg.tb, "tiles": cfg.tiles, "tasks": cfg.tasks, "ksplit": cfg.ksplit, "bv": cfg.bv, "gated": cfg.gated,
                 }),
                 KernelSpec::SplitBf16x3 | KernelSpec::Sum3 => json!({}),
-                KernelSpec::Route { experts, n_group, topk_group, top_k, norm, grouped } => json!({
+                KernelSpec::Route { experts, n_group, topk_group, top_k, norm, grouped, split_k } => json!({
                     "experts": experts, "n_group": n_group, "topk_group": topk_group, "top_k": top_k, "norm": norm,
-                    "grouped": grouped,
+                    "grouped": grouped, "split_k": split_k,
                 }),
                 KernelSpec::Group { experts } => json!({"experts": experts}),
                 KernelSpec::RmsNorm { width, add } => json!({"width": width, "add": add}),

@@ -251,6 +251,9 @@ pub struct GpuRouting {
     weights: Handle,
     /// `[4]` class bounds of `experts` (u32).
     bounds: Handle,
+    /// The layer input's BF16x3 split (`[m, 3, hidden / 2]` words) and `hidden`, when the device router wrote it
+    /// (`route_on_device` with a split): the tensor-core path then skips its own split launch.
+    x_split: Option<(Handle, usize)>,
 }
 
 /// What a [`GpuRouting`] holds, read back to the host (checks and tests).
@@ -287,6 +290,7 @@ impl GpuRouting {
             pairs: client.create_from_slice(u32::as_bytes(&routing.pairs)),
             weights: client.create_from_slice(f32::as_bytes(weights)),
             bounds: client.create_from_slice(u32::as_bytes(&bounds)),
+            x_split: None,
         }
     }
 
@@ -303,8 +307,9 @@ impl GpuRouting {
         pairs: Handle,
         weights: Handle,
         bounds: Handle,
+        x_split: Option<(Handle, usize)>,
     ) -> Self {
-        Self { m, topk, slots, grid, ids: Some(ids), experts, offsets, pairs, weights, bounds }
+        Self { m, topk, slots, grid, ids: Some(ids), experts, offsets, pairs, weights, bounds, x_split }
     }
 
     /// Tokens in the step.
@@ -453,9 +458,17 @@ fn moe_forward_inner<R: Runtime, A: Float>(
         // and the two BF16x3 splits (input, intermediate).
         let fused = fused_split();
         let h_bytes = if fused { 4 } else { n_pairs * s.inter * 4 };
-        let [h, y, xs, hs] =
-            scratch(client, [h_bytes, n_pairs * s.hidden * 4, routing.m * 3 * s.hidden * 2, n_pairs * 3 * s.inter * 2]);
-        mma_experts::<R, A>(client, experts, x, routing, [&h, &y, &xs, &hs], cfg, &mm, stages, fused);
+        // The input's split from the device router, when it wrote one of this `x` (f32, the hidden size).
+        let pre_split = routing
+            .x_split
+            .as_ref()
+            .filter(|(_, k)| *k == s.hidden && std::any::TypeId::of::<A>() == std::any::TypeId::of::<f32>())
+            .map(|(h, _)| h);
+        let xs_bytes = if pre_split.is_some() { 4 } else { routing.m * 3 * s.hidden * 2 };
+        let [h, y, xs, hs] = scratch(client, [h_bytes, n_pairs * s.hidden * 4, xs_bytes, n_pairs * 3 * s.inter * 2]);
+        let xs = pre_split.unwrap_or(&xs);
+        let bufs = [&h, &y, xs, &hs];
+        mma_experts::<R, A>(client, experts, x, routing, bufs, cfg, &mm, stages, fused, pre_split.is_none());
         combine(client, &s, routing, &y, out, stages, addend);
         return;
     }
@@ -598,8 +611,8 @@ fn split_x3<R: Runtime, A: Float>(client: &ComputeClient<R>, x: &Handle, out: &H
     }
 }
 
-/// The experts on tensor cores: split the input, gate/up (one launch per class; `fused`: it writes the split
-/// intermediate), split the intermediate (unless `fused`), down.
+/// The experts on tensor cores: split the input (`split_input`; otherwise `xs` holds it already), gate/up (one
+/// launch per class; `fused`: it writes the split intermediate), split the intermediate (unless `fused`), down.
 #[allow(clippy::too_many_arguments)]
 fn mma_experts<R: Runtime, A: Float>(
     client: &ComputeClient<R>,
@@ -611,6 +624,7 @@ fn mma_experts<R: Runtime, A: Float>(
     mm: &MmaShape,
     stages: Stages,
     fused: bool,
+    split_input: bool,
 ) {
     let s = experts.shape;
     let n_pairs = routing.m * routing.topk;
@@ -665,7 +679,9 @@ fn mma_experts<R: Runtime, A: Float>(
         }
     };
     if matches!(stages, Stages::All | Stages::GateUp | Stages::GateUpLoads) {
-        split_x3::<R, A>(client, x, xs, routing.m, s.hidden);
+        if split_input {
+            split_x3::<R, A>(client, x, xs, routing.m, s.hidden);
+        }
         for (class, tb) in mma_class_tbs(cfg).into_iter().enumerate() {
             let spec = ExpertMmaSpec {
                 split_out: fused,

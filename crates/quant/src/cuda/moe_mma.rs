@@ -52,27 +52,35 @@ use super::kernels::{scale_pair, weight_pair};
 /// first. One thread per word of the three parts.
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn split_x3_kernel<F: Float>(x: &Array<F>, out: &mut Array<u32>, rows: u32, #[comptime] k: usize) {
-    let half = comptime!(k / 2);
     let idx = ABSOLUTE_POS;
-    if idx < rows as usize * half {
-        let r = idx / half;
-        let j = idx % half;
-        let col = (j / 16) * 32 + ((j % 16) / 4) * 8 + j % 4;
-        let a = f32::cast_from(x[r * k + col]);
-        let b = f32::cast_from(x[r * k + col + 4]);
-        let a_hi = u32::reinterpret(a) >> 16u32;
-        let b_hi = u32::reinterpret(b) >> 16u32;
-        let a_r = a - f32::reinterpret(a_hi << 16u32);
-        let b_r = b - f32::reinterpret(b_hi << 16u32);
-        let a_mid = u32::reinterpret(a_r) >> 16u32;
-        let b_mid = u32::reinterpret(b_r) >> 16u32;
-        let a_lo = u32::reinterpret(a_r - f32::reinterpret(a_mid << 16u32)) >> 16u32;
-        let b_lo = u32::reinterpret(b_r - f32::reinterpret(b_mid << 16u32)) >> 16u32;
-        let base = r * 3 * half + j;
-        out[base] = a_hi | (b_hi << 16u32);
-        out[base + half] = a_mid | (b_mid << 16u32);
-        out[base + 2 * half] = a_lo | (b_lo << 16u32);
+    if idx < rows as usize * comptime!(k / 2) {
+        split_x3_word::<F>(x, out, idx, k);
     }
+}
+
+/// Word `idx` of [`split_x3_kernel`]'s output (row `idx / (k / 2)`), all three parts; `idx` must be below
+/// `rows * k / 2`. Also run by the device router's launch (`router::route_kernel` with `split_k`), which then
+/// spares the MoE layer this launch.
+#[cube]
+pub(crate) fn split_x3_word<F: Float>(x: &Array<F>, out: &mut Array<u32>, idx: usize, #[comptime] k: usize) {
+    let half = comptime!(k / 2);
+    let r = idx / half;
+    let j = idx % half;
+    let col = (j / 16) * 32 + ((j % 16) / 4) * 8 + j % 4;
+    let a = f32::cast_from(x[r * k + col]);
+    let b = f32::cast_from(x[r * k + col + 4]);
+    let a_hi = u32::reinterpret(a) >> 16u32;
+    let b_hi = u32::reinterpret(b) >> 16u32;
+    let a_r = a - f32::reinterpret(a_hi << 16u32);
+    let b_r = b - f32::reinterpret(b_hi << 16u32);
+    let a_mid = u32::reinterpret(a_r) >> 16u32;
+    let b_mid = u32::reinterpret(b_r) >> 16u32;
+    let a_lo = u32::reinterpret(a_r - f32::reinterpret(a_mid << 16u32)) >> 16u32;
+    let b_lo = u32::reinterpret(b_r - f32::reinterpret(b_mid << 16u32)) >> 16u32;
+    let base = r * 3 * half + j;
+    out[base] = a_hi | (b_hi << 16u32);
+    out[base + half] = a_mid | (b_mid << 16u32);
+    out[base + 2 * half] = a_lo | (b_lo << 16u32);
 }
 
 /// Loads the operands of 32-column vector `v` for one lane: rows `g` and `g + 8` of each m tile of the task at

@@ -521,7 +521,7 @@ fn define_route(
     topk_group: usize,
     top_k: usize,
     norm: bool,
-    grouped: bool,
+    (grouped, split_k): (bool, usize),
     props: &DeviceProperties,
 ) -> KernelDefinition {
     let address = AddressType::U32;
@@ -535,7 +535,10 @@ fn define_route(
     let offsets = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
     let pairs = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
     let bounds = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let x = <Array<f32> as LaunchArg>::expand(&a, &mut b);
+    let x_split = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
     let scale = <f32 as LaunchArg>::expand(&(), &mut b);
+    let tokens = <u32 as LaunchArg>::expand(&(), &mut b);
     route_kernel::expand(
         &mut b.scope,
         logits,
@@ -546,13 +549,17 @@ fn define_route(
         offsets,
         pairs,
         bounds,
+        x,
+        x_split,
         scale,
+        tokens,
         experts,
         n_group,
         topk_group,
         top_k,
         norm,
         grouped,
+        split_k,
     );
     let dim = CubeDim::new_1d(super::router::ROUTE_THREADS as u32);
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name("route_kernel"))
@@ -749,9 +756,10 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         }
         KernelSpec::SplitBf16x3 => (define_split_bf16x3(&props), AddressType::U32),
         KernelSpec::Sum3 => (define_sum3(&props), AddressType::U32),
-        KernelSpec::Route { experts, n_group, topk_group, top_k, norm, grouped } => {
-            (define_route(*experts, *n_group, *topk_group, *top_k, *norm, *grouped, &props), AddressType::U32)
-        }
+        KernelSpec::Route { experts, n_group, topk_group, top_k, norm, grouped, split_k } => (
+            define_route(*experts, *n_group, *topk_group, *top_k, *norm, (*grouped, *split_k), &props),
+            AddressType::U32,
+        ),
         KernelSpec::Group { experts } => (define_group(*experts, &props), AddressType::U32),
         KernelSpec::RmsNorm { width, add } => (define_rms_norm(*width, *add, &props), AddressType::U32),
         KernelSpec::RopeRows { half, interleave } => (define_rope_rows(*half, *interleave, &props), AddressType::U32),

@@ -129,6 +129,7 @@ mod gpu {
 
     use super::{GROUP_CHUNK, ROUTE_THREADS, RouterSpec, class_grid};
     use crate::cuda::GpuRouting;
+    use crate::cuda::moe_mma::split_x3_word;
 
     /// Whether candidate `(ov, oi)` beats `(mv, mi)`: `invalid` marks no candidate; a higher score wins, a tie goes
     /// to the lower index.
@@ -155,9 +156,65 @@ mod gpu {
     /// `pairs_out[i]` (the expert's position in the token's list), `offsets` `0..=top_k` and `bounds`
     /// `[0, top_k, top_k, top_k]`; a decode step of one sequence then routes in one launch instead of two. Without
     /// it those four arrays are not touched.
+    ///
+    /// With `split_k` (the hidden size; 0: none) the launch also writes the MoE layer's input split (what
+    /// `moe_mma::split_x3_kernel` writes for `x` `[tokens, split_k]` f32 into `x_split`), in blocks `tokens ..`
+    /// beside the routing blocks `0 .. tokens`, so the layer does not wait for a launch of its own (session 26: a
+    /// separate split launch costs ~4-6 us of GPU time at one token).
     #[cube(launch_unchecked)]
     #[allow(clippy::too_many_arguments)]
     pub fn route_kernel(
+        logits: &Array<f32>,
+        bias: &Array<f32>,
+        ids: &mut Array<u32>,
+        weights: &mut Array<f32>,
+        experts_out: &mut Array<u32>,
+        offsets: &mut Array<u32>,
+        pairs_out: &mut Array<u32>,
+        bounds: &mut Array<u32>,
+        x: &Array<f32>,
+        x_split: &mut Array<u32>,
+        scale: f32,
+        tokens: u32,
+        #[comptime] experts: usize,
+        #[comptime] n_group: usize,
+        #[comptime] topk_group: usize,
+        #[comptime] top_k: usize,
+        #[comptime] norm: bool,
+        #[comptime] grouped: bool,
+        #[comptime] split_k: usize,
+    ) {
+        // Block-uniform: a block routes a token or splits words, never both (the routing's barriers stay whole).
+        if comptime!(split_k > 0) && CUBE_POS >= tokens as usize {
+            let idx = (CUBE_POS - tokens as usize) * comptime!(ROUTE_THREADS) + UNIT_POS as usize;
+            if idx < tokens as usize * comptime!(split_k / 2) {
+                split_x3_word::<f32>(x, x_split, idx, split_k);
+            }
+        } else {
+            route_token(
+                logits,
+                bias,
+                ids,
+                weights,
+                experts_out,
+                offsets,
+                pairs_out,
+                bounds,
+                scale,
+                experts,
+                n_group,
+                topk_group,
+                top_k,
+                norm,
+                grouped,
+            );
+        }
+    }
+
+    /// [`route_kernel`]'s routing of token `CUBE_POS` (every thread of the block calls it).
+    #[cube]
+    #[allow(clippy::too_many_arguments)]
+    fn route_token(
         logits: &Array<f32>,
         bias: &Array<f32>,
         ids: &mut Array<u32>,
@@ -510,18 +567,28 @@ mod gpu {
     /// `[spec.experts]` f32 (`e_score_correction_bias`). Two launches (route, group), one for a single token; nothing
     /// is read back.
     ///
+    /// `split`: the MoE layer's input `x` (`[m, hidden]` f32) and `hidden`; the route launch then also writes the
+    /// input's BF16x3 split, which the routing carries and [`crate::cuda::moe_forward`] uses instead of its own
+    /// split launch (pass the same `x` to both).
+    ///
     /// # Errors
-    /// `spec` fails [`RouterSpec::validate`], or `m` is 0.
+    /// `spec` fails [`RouterSpec::validate`], `m` is 0, or `hidden` is not a positive multiple of 32.
     pub fn route_on_device<R: Runtime>(
         client: &ComputeClient<R>,
         spec: &RouterSpec,
         logits: &Handle,
         bias: &Handle,
         m: usize,
+        split: Option<(&Handle, usize)>,
     ) -> crate::Result<GpuRouting> {
         spec.validate()?;
         if m == 0 {
             return Err(crate::QuantError::invalid("m", "no tokens to route".to_string()));
+        }
+        if let Some((_, hidden)) = split
+            && (hidden == 0 || hidden % 32 != 0)
+        {
+            return Err(crate::QuantError::invalid("hidden", format!("{hidden}: the split takes a multiple of 32")));
         }
         let (e, k) = (spec.experts, spec.top_k);
         let pairs = m * k;
@@ -531,15 +598,24 @@ mod gpu {
         let threads = spec.group_threads();
         // One token: the route kernel writes the grouping itself (its experts are distinct, all one-token).
         let grouped = m == 1;
+        let split_k = split.map_or(0, |(_, hidden)| hidden);
+        let split_words = m * split_k / 2;
+        // Without a split the kernel's `x` and `x_split` are never touched (`split_k` 0 compiles that branch out):
+        // `logits` stands in for the input and a one-word buffer for the output (not an alias of another output).
+        let x_split = client.empty(3 * split_words.max(1) * 4);
+        let (x_arg, x_len) = split.map_or((logits, m * e), |(x, _)| (x, m * split_k));
+        let xs_len = 3 * split_words.max(1);
+        let split_blocks = split_words.div_ceil(ROUTE_THREADS);
         // SAFETY: `logits` holds `[m, E]` and `bias` `[E]` f32 (the caller's contract, sizes checked by the
         // kernels' array lengths); every output is allocated above at the size the kernels write: ids/weights/pairs
         // `m * k`, experts `E`, offsets `E + 1`, bounds 4 (the grouped route writes `k <= E` experts and pairs and
         // `k + 1` offsets). Expert ids written are `< E` (each block picks among its `E` scores), so the grouping's
-        // per-expert threads cover them all.
+        // per-expert threads cover them all. With a split, `x` holds `[m, split_k]` f32 (the caller's contract) and
+        // `x_split` is allocated above at the `3 * m * split_k / 2` words the split blocks write (guarded).
         unsafe {
             route_kernel::launch_unchecked::<R>(
                 client,
-                CubeCount::Static(m as u32, 1, 1),
+                CubeCount::Static((m + split_blocks) as u32, 1, 1),
                 CubeDim::new_1d(ROUTE_THREADS as u32),
                 ArrayArg::from_raw_parts(logits.clone(), m * e),
                 ArrayArg::from_raw_parts(bias.clone(), e),
@@ -549,15 +625,20 @@ mod gpu {
                 ArrayArg::from_raw_parts(offsets.clone(), e + 1),
                 ArrayArg::from_raw_parts(pair_ids.clone(), pairs),
                 ArrayArg::from_raw_parts(bounds.clone(), 4),
+                ArrayArg::from_raw_parts(x_arg.clone(), x_len),
+                ArrayArg::from_raw_parts(x_split.clone(), xs_len),
                 spec.routed_scaling_factor,
+                m as u32,
                 e,
                 spec.n_group,
                 spec.topk_group,
                 k,
                 spec.norm_topk_prob,
                 grouped,
+                split_k,
             );
         }
+        let x_split = split.map(|_| (x_split, split_k));
         if grouped {
             return Ok(GpuRouting::from_device(
                 m,
@@ -570,6 +651,7 @@ mod gpu {
                 pair_ids,
                 weights,
                 bounds,
+                x_split,
             ));
         }
         // SAFETY: as above.
@@ -588,7 +670,19 @@ mod gpu {
                 threads,
             );
         }
-        Ok(GpuRouting::from_device(m, k, e, class_grid(m, k, e), ids, experts, offsets, pair_ids, weights, bounds))
+        Ok(GpuRouting::from_device(
+            m,
+            k,
+            e,
+            class_grid(m, k, e),
+            ids,
+            experts,
+            offsets,
+            pair_ids,
+            weights,
+            bounds,
+            x_split,
+        ))
     }
 }
 

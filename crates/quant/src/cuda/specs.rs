@@ -438,6 +438,8 @@ pub enum KernelSpec {
         norm: bool,
         /// Writes the one-token grouping too (a decode step of one sequence).
         grouped: bool,
+        /// Also writes the MoE layer's input split of this hidden size (0: none).
+        split_k: usize,
     },
     /// `router::group_kernel` (the pairs grouped by expert, one block).
     Group {
@@ -591,10 +593,11 @@ impl KernelSpec {
             }
             Self::SplitBf16x3 => "split_bf16x3".into(),
             Self::Sum3 => "sum3 f32x4".into(),
-            Self::Route { experts, n_group, topk_group, top_k, norm, grouped } => format!(
-                "route e{experts} groups{n_group}/{topk_group} top{top_k} norm{}{}",
+            Self::Route { experts, n_group, topk_group, top_k, norm, grouped, split_k } => format!(
+                "route e{experts} groups{n_group}/{topk_group} top{top_k} norm{}{}{}",
                 u8::from(*norm),
-                if *grouped { " grouped" } else { "" }
+                if *grouped { " grouped" } else { "" },
+                if *split_k > 0 { format!(" split{split_k}") } else { String::new() }
             ),
             Self::Group { experts } => format!("group e{experts}"),
             Self::RmsNorm { width, add } => format!("rms_norm w{width}{}", if *add { " +res" } else { "" }),
@@ -761,17 +764,21 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
     out
 }
 
-/// The device router's specialisations of `spec` (its top-k and its grouping).
-pub fn router_specs(spec: &crate::cuda::router::RouterSpec) -> Vec<KernelSpec> {
-    let route = |grouped| KernelSpec::Route {
+/// The device router's specialisations of `spec` (its top-k and its grouping), without and with the MoE input's
+/// split of width `hidden` (the model asks for it).
+pub fn router_specs(spec: &crate::cuda::router::RouterSpec, hidden: usize) -> Vec<KernelSpec> {
+    let route = |grouped, split_k| KernelSpec::Route {
         experts: spec.experts,
         n_group: spec.n_group,
         topk_group: spec.topk_group,
         top_k: spec.top_k,
         norm: spec.norm_topk_prob,
         grouped,
+        split_k,
     };
-    vec![route(false), route(true), KernelSpec::Group { experts: spec.experts }]
+    let mut out: Vec<KernelSpec> = [0, hidden].iter().flat_map(|&k| [route(false, k), route(true, k)]).collect();
+    out.push(KernelSpec::Group { experts: spec.experts });
+    out
 }
 
 /// Every specialisation eyrie-model launches of the MLA and norm kernels (`cuda::{mla, norm, rope}`) for a model
