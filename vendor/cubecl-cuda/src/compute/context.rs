@@ -48,6 +48,34 @@ pub struct CompiledKernel {
     cube_dim: CubeDim,
     shared_mem_bytes: usize,
     func: *mut CUfunc_st,
+    /// Eyrie patch: the kernel waits for the previous grid at its entry (`griddepcontrol.wait`, found in its PTX),
+    /// so it may be launched as a programmatic dependent launch.
+    pdl: bool,
+}
+
+/// Eyrie patch: programmatic dependent launch (PDL, sm_90 and later). Each kernel compiled here starts by waiting
+/// for the grid before it in the stream to complete and flush its memory (`griddepcontrol.wait`), then lets the next
+/// grid be scheduled (`griddepcontrol.launch_dependents`); it is launched with the programmatic stream serialization
+/// attribute, so its blocks are scheduled while the previous grid's last blocks run instead of after the grid ends.
+/// Memory order is the stream's as before: no instruction of a kernel runs before its predecessor completes. On by
+/// default; `EYRIE_PDL=0` turns it off (no wait compiled in, plain launches) for comparisons.
+fn pdl_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EYRIE_PDL").map(|v| v != "0").unwrap_or(true))
+}
+
+/// Eyrie patch: `source` with the PDL prologue at the start of its kernel's body (the first `{` after `__global__`:
+/// CubeCL's CUDA dialect writes no brace in an entry point's launch bounds or parameters); `None` without one.
+fn with_pdl_prologue(source: &str) -> Option<String> {
+    let entry = source.find("__global__")?;
+    let body = entry + source[entry..].find('{')? + 1;
+    let mut out = String::with_capacity(source.len() + 128);
+    out.push_str(&source[..body]);
+    out.push_str(
+        "\nasm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\nasm volatile(\"griddepcontrol.launch_dependents;\");\n",
+    );
+    out.push_str(&source[body..]);
+    Some(out)
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq, Clone)]
@@ -141,6 +169,14 @@ impl CudaContext {
             if let Ok(formatted) = format_cpp(&kernel_compiled.source) {
                 kernel_compiled.source = formatted;
             }
+        }
+
+        // Eyrie patch: the PDL prologue (see `pdl_enabled`).
+        if self.arch.version >= 90
+            && pdl_enabled()
+            && let Some(source) = with_pdl_prologue(&kernel_compiled.source)
+        {
+            kernel_compiled.source = source;
         }
 
         let cube_dim = kernel_compiled.cube_dim;
@@ -262,12 +298,17 @@ impl CudaContext {
             })?
         };
 
+        // Eyrie patch: PDL launches only for a kernel that waits for its predecessor (a PTX from the cache may
+        // predate the prologue, or come from a process with `EYRIE_PDL=0`).
+        let ptx_bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
+        let pdl = pdl_enabled() && ptx_bytes.windows(19).any(|w| w == b"griddepcontrol.wait");
         self.module_names.insert(
             kernel_id.clone(),
             CompiledKernel {
                 cube_dim,
                 shared_mem_bytes,
                 func,
+                pdl,
             },
         );
 
@@ -306,20 +347,50 @@ impl CudaContext {
                 reason: format!("{err:?}"),
                 backtrace: BackTrace::capture(),
             })?;
-            cudarc::driver::result::launch_kernel(
-                kernel.func,
-                dispatch_count,
-                (cube_dim.x, cube_dim.y, cube_dim.z),
-                // Shared memory is collected into a single buffer, with each shared memory being
-                // an offset pointer
-                kernel.shared_mem_bytes as u32,
-                stream.sys,
-                &mut bindings,
-            )
-            .map_err(|err| LaunchError::Unknown {
-                reason: format!("{err:?}"),
-                backtrace: BackTrace::capture(),
-            })?;
+            if kernel.pdl {
+                // Eyrie patch: a programmatic dependent launch (see `pdl_enabled`).
+                let mut attr: cudarc::driver::sys::CUlaunchAttribute = std::mem::zeroed();
+                attr.id = cudarc::driver::sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attr.value.programmaticStreamSerializationAllowed = 1;
+                let config = cudarc::driver::sys::CUlaunchConfig {
+                    gridDimX: dispatch_count.0,
+                    gridDimY: dispatch_count.1,
+                    gridDimZ: dispatch_count.2,
+                    blockDimX: cube_dim.x,
+                    blockDimY: cube_dim.y,
+                    blockDimZ: cube_dim.z,
+                    sharedMemBytes: kernel.shared_mem_bytes as u32,
+                    hStream: stream.sys,
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                cudarc::driver::sys::cuLaunchKernelEx(
+                    &config,
+                    kernel.func,
+                    bindings.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+                .result()
+                .map_err(|err| LaunchError::Unknown {
+                    reason: format!("{err:?}"),
+                    backtrace: BackTrace::capture(),
+                })?;
+            } else {
+                cudarc::driver::result::launch_kernel(
+                    kernel.func,
+                    dispatch_count,
+                    (cube_dim.x, cube_dim.y, cube_dim.z),
+                    // Shared memory is collected into a single buffer, with each shared memory being
+                    // an offset pointer
+                    kernel.shared_mem_bytes as u32,
+                    stream.sys,
+                    &mut bindings,
+                )
+                .map_err(|err| LaunchError::Unknown {
+                    reason: format!("{err:?}"),
+                    backtrace: BackTrace::capture(),
+                })?;
+            }
         };
 
         Ok(())
