@@ -64,6 +64,13 @@ __device__ __forceinline__ unsigned fold(uint4 q, unsigned short sc) { return q.
   size_t e = experts[slot]; \
   unsigned acc = 0;
 
+// Hooks for `scripts/pdl_probe.py` (programmatic dependent launch): where a level waits for the previous grid, at
+// its start or after its first weight loads. Empty here.
+#ifndef LADDER_PDL_START
+#define LADDER_PDL_START
+#define LADDER_PDL_LOADED
+#endif
+
 #define TILED_AT(i, mt, h) (((e * TPE + t0 + (mt) * (TPE / 2)) * NBLK + (i)) * 64 + (h) * 32 + lane)
 
 // Block i (128 columns) of the task's m tiles in the tiled layout, words and scales folded.
@@ -326,6 +333,7 @@ __device__ __forceinline__ void ladder(const uint4* __restrict__ w, const unsign
   __shared__ __align__(16) unsigned smem[SM_WORDS];
   unsigned* red = smem;
   uint4* xsm = reinterpret_cast<uint4*>(smem);
+  LADDER_PDL_START
   LADDER_ROLE
   bool xok = L >= 2 && g < 3;
   if (L >= 6) {
@@ -355,6 +363,7 @@ __device__ __forceinline__ void ladder(const uint4* __restrict__ w, const unsign
       #pragma unroll
       for (int h = 0; h < 2; h++) { size_t at = TILED_AT(i, mt, h); wa[mt][h] = w[at]; sa[mt][h] = s[at]; }
     }
+    LADDER_PDL_LOADED
     #pragma unroll
     for (int q = 0; q < 4; q++) xb[q] = xok ? xsrc[XAT(i, c, q)] : make_uint4(0, 0, 0, 0);
     for (i = part; i < NBLK; i += ksplit) {

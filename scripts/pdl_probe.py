@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""What programmatic dependent launch (PDL) could save in the one-token MoE layer's chain of launches (issue 4).
+
+A measurement, not a kernel of ours. Session 27 (Nsight Compute, `bench/s27_run1`) found the CubeCL expert kernels
+as fast as their plain-CUDA twin (`kmma` of `scripts/moe_load_pattern.py`): the layer's time over its two expert
+kernels is spent at launch boundaries (a tiny dependent launch costs ~4-7 us at one token). Hopper's PDL lets a
+kernel's blocks be scheduled while the previous grid's tail runs (`cudaLaunchAttributeProgrammaticStreamSerialization`),
+each waiting for it (`griddepcontrol.wait`) before reading what it wrote. This probe times the layer's launch chain
+as the model runs it since session 27 (route + the input's split: one small launch; gate/up `kmma`; down `kmma`;
+the weighted combine: one small launch), 16 layers queued behind a device copy (GPU us a layer, median of 7):
+
+- `plain`: ordinary launches in one stream;
+- `pdl_start`: PDL launches, every kernel waiting at its start (what a hook at a CubeCL kernel's entry could do);
+- `pdl_early`: PDL launches, down issuing its first weight loads (which depend on the routing, two launches back,
+  not on gate/up) before it waits.
+
+Builds a CUDA program from `moe_load_pattern.SRC` (the ladder's `kmma` for both matrices, with its PDL hooks) with
+`nvcc`, runs it, prints a table; `--json PATH` writes the figures. Needs nvcc and an sm_90 GPU (the GPU machine).
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_load_pattern import MATRICES, POOL, SRC, USED  # noqa: E402
+
+MAIN = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <algorithm>
+#include <vector>
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+  fprintf(stderr, "pdl_probe: %s failed: %s\n", #x, cudaGetErrorString(e_)); exit(1); } } while (0)
+
+// One small launch of each end of the chain: the route + input split (28 blocks of 256 over the hidden size) and the
+// weighted combine of 8 experts' outputs (28 blocks of 256).
+__global__ void route_like(const float* x, unsigned* xs, int n) {
+  PDL_ENTRY
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) { unsigned b = __float_as_uint(x[i]); xs[3 * i] = b >> 16; xs[3 * i + 1] = b & 0xffff; xs[3 * i + 2] = b; }
+}
+__global__ void combine_like(const float* y, const float* wts, float* out, int n) {
+  PDL_ENTRY
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) { float s = 0.f; for (int k = 0; k < 8; k++) s += wts[k] * y[k * n + i]; out[i] = s; }
+}
+
+template <typename... K, typename... A>
+static void launch(void (*k)(K...), int blocks, int threads, bool pdl, cudaStream_t st, A... a) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks); cfg.blockDim = dim3(threads); cfg.stream = st;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at; cfg.numAttrs = pdl ? 1 : 0;
+  CK(cudaLaunchKernelEx(&cfg, k, a...));
+}
+
+template <typename T> static T* dev_random(size_t n, unsigned seed) {
+  size_t words = (n * sizeof(T) + 3) / 4;  // random words; floats kept finite (exponent field cleared)
+  std::vector<unsigned> h(words); unsigned v = seed;
+  for (auto& x : h) { v = v * 1664525u + 1013904223u; x = v & 0xbfffffffu; }
+  T* d; CK(cudaMalloc(&d, words * 4)); CK(cudaMemcpy(d, h.data(), words * 4, cudaMemcpyHostToDevice));
+  return d;
+}
+
+struct Side { uint4* w; unsigned short* s; uint4* xs; unsigned* out; int blocks, threads, ks; };
+
+int main() {
+  const int hidden = HIDDEN, reps = 7, iters = 16;
+  Side gu, dn;
+  int rows[2] = {GU_ROWS, DN_ROWS}, kvs[2] = {GU_KV, DN_KV}, kss[2] = {3, 2}, ths[2] = {768, 64}, mts[2] = {2, 1};
+  Side* sides[2] = {&gu, &dn};
+  for (int m = 0; m < 2; m++) {
+    Side& sd = *sides[m];
+    size_t vecs = (size_t)POOL_E * rows[m] * kvs[m];
+    sd.w = dev_random<uint4>(vecs, 1 + m); sd.s = dev_random<unsigned short>(vecs, 3 + m);
+    sd.xs = dev_random<uint4>((size_t)USED_E * 3 * 4 * kvs[m], 5 + m);
+    CK(cudaMalloc(&sd.out, 65536 * 4));
+    int warps = USED_E * (rows[m] / 16 / mts[m]) * kss[m];
+    sd.blocks = (warps * 32 + ths[m] - 1) / ths[m]; sd.threads = ths[m]; sd.ks = kss[m];
+  }
+  // The routing of one token: 16 sets of 8 of the POOL_E experts, class 0 holding all 8 slots.
+  std::vector<int> hsets(16 * 8);
+  unsigned v = 7;
+  for (int i = 0; i < 16; i++) {
+    std::vector<int> p(POOL_E); for (int e = 0; e < POOL_E; e++) p[e] = e;
+    for (int e = POOL_E - 1; e > 0; e--) { v = v * 1664525u + 1013904223u; std::swap(p[e], p[(v >> 8) % (e + 1)]); }
+    for (int k = 0; k < 8; k++) hsets[i * 8 + k] = p[k];
+  }
+  int *sets, *offsets, *pairs, *bounds;
+  int hoff[9] = {0, 1, 2, 3, 4, 5, 6, 7, 8}, hpairs[8] = {3, 0, 6, 1, 7, 2, 5, 4}, hb[4] = {0, 8, 8, 8};
+  CK(cudaMalloc(&sets, hsets.size() * 4)); CK(cudaMemcpy(sets, hsets.data(), hsets.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&offsets, 36)); CK(cudaMemcpy(offsets, hoff, 36, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&pairs, 32)); CK(cudaMemcpy(pairs, hpairs, 32, cudaMemcpyHostToDevice));
+  CK(cudaMalloc(&bounds, 16)); CK(cudaMemcpy(bounds, hb, 16, cudaMemcpyHostToDevice));
+  float* x = dev_random<float>(hidden, 9); unsigned* xsplit; CK(cudaMalloc(&xsplit, hidden * 12));
+  float* y = dev_random<float>(8 * hidden, 11); float* wts = dev_random<float>(8, 13); float* out;
+  CK(cudaMalloc(&out, hidden * 4));
+  // The copy the layers queue behind: 2 GiB read, 2 GiB written.
+  size_t cbytes = (size_t)1 << 31; void *ca, *cb; CK(cudaMalloc(&ca, cbytes)); CK(cudaMalloc(&cb, cbytes));
+  cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  cudaEvent_t t0, t1; CK(cudaEventCreate(&t0)); CK(cudaEventCreate(&t1));
+  auto copy_ms = [&]() {
+    CK(cudaEventRecord(t0, st)); CK(cudaMemcpyAsync(cb, ca, cbytes, cudaMemcpyDeviceToDevice, st));
+    CK(cudaEventRecord(t1, st)); CK(cudaStreamSynchronize(st)); float ms; CK(cudaEventElapsedTime(&ms, t0, t1));
+    return ms;
+  };
+  std::vector<float> cs; for (int i = 0; i < 6; i++) cs.push_back(copy_ms());
+  std::sort(cs.begin(), cs.end()); float copy_alone = cs[3];
+  printf("COPY %.1f\n", 2.0 * cbytes / (copy_alone * 1e-3) / 1e9);
+  auto layer = [&](int i, int mode) {
+    bool pdl = mode > 0;
+    int* e = sets + (i % 16) * 8;
+    launch(route_like, (hidden + 255) / 256, 256, pdl, st, (const float*)x, xsplit, hidden);
+    launch(gu_kmma, gu.blocks, gu.threads, pdl, st, (const uint4*)gu.w, (const unsigned short*)gu.s, (const int*)e,
+           (const int*)offsets, (const int*)pairs, (const int*)bounds, (const uint4*)gu.xs, gu.out, gu.ks);
+    launch(dn_kmma, dn.blocks, dn.threads, pdl, st, (const uint4*)dn.w, (const unsigned short*)dn.s, (const int*)e,
+           (const int*)offsets, (const int*)pairs, (const int*)bounds, (const uint4*)dn.xs, dn.out, dn.ks);
+    launch(combine_like, (hidden + 255) / 256, 256, pdl, st, (const float*)y, (const float*)wts, out, hidden);
+  };
+  const char* names[3] = {"plain", "pdl_start", "pdl_early"};
+  for (int round = 0; round < 2; round++) {
+    for (int mode = 0; mode < 3; mode++) {
+      CK(cudaMemcpyToSymbol(pdl_mode, &mode, sizeof(int)));
+      for (int i = 0; i < 4; i++) layer(i, mode);
+      std::vector<float> samples;
+      for (int r = 0; r < reps; r++) {
+        CK(cudaStreamSynchronize(st));
+        CK(cudaEventRecord(t0, st)); CK(cudaMemcpyAsync(cb, ca, cbytes, cudaMemcpyDeviceToDevice, st));
+        auto h0 = std::chrono::steady_clock::now();
+        for (int i = 0; i < iters; i++) layer(i, mode);
+        double enq = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
+        CK(cudaEventRecord(t1, st)); CK(cudaStreamSynchronize(st));
+        float ms; CK(cudaEventElapsedTime(&ms, t0, t1));
+        if (enq < 0.9 * copy_alone) samples.push_back((ms - copy_alone) * 1e3f / iters);
+      }
+      std::sort(samples.begin(), samples.end());
+      float us = samples.size() >= 3 ? samples[samples.size() / 2] : -1.f;
+      printf("ROW %s %d %.2f %zu\n", names[mode], round, us, samples.size());
+    }
+  }
+  CK(cudaGetLastError());
+  return 0;
+}
+"""
+
+HOOKS = {
+    # gate/up's weights are at addresses the previous launch (the router) writes: it waits at its start.
+    "gu": ("if (pdl_mode) { PDL_WAIT(); PDL_TRIGGER(); }", ""),
+    # down's weights are at addresses the router wrote two launches back: in mode 2 it loads its first block first.
+    "dn": ("if (pdl_mode == 1) PDL_WAIT(); if (pdl_mode) PDL_TRIGGER();", "if (pdl_mode == 2) PDL_WAIT();"),
+}
+
+
+def program():
+    """The probe's CUDA source: the ladder source twice (gate/up and down shapes, in namespaces), then `MAIN`."""
+    ladder = SRC.replace('extern "C" ', "")
+    parts = ["#include <chrono>\n#include <cuda_runtime.h>\n__device__ int pdl_mode;  // 0 plain, 1 wait at start, "
+             "2 down waits after its first weight loads\n"
+             '#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")\n'
+             '#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")\n']
+    for ns, m, warps in (("gu", "gate_up", 24), ("dn", "down", 2)):
+        rows_e, kv, mt = MATRICES[m]
+        start, loaded = HOOKS[ns]
+        parts.append(f"#define ROWS {rows_e}\n#define KV {kv}\n#define NBLK ({kv} / 4)\n#define MT {mt}\n"
+                     f"#define LWARPS {warps}\n#define LADDER_PDL_START {start}\n#define LADDER_PDL_LOADED {loaded}\n"
+                     f"namespace {ns} {{\n{ladder}\n}}\n"
+                     "#undef ROWS\n#undef KV\n#undef NBLK\n#undef MT\n#undef LWARPS\n#undef LADDER_PDL_START\n"
+                     "#undef LADDER_PDL_LOADED\n#undef TPE\n#undef TASKS\n#undef EXPERT_VECS\n")
+    parts.append("#define PDL_ENTRY if (pdl_mode) { PDL_WAIT(); PDL_TRIGGER(); }\n"
+                 "static const auto gu_kmma = gu::kmma; static const auto dn_kmma = dn::kmma;\n")
+    gu_rows, gu_kv, _ = MATRICES["gate_up"]
+    dn_rows, dn_kv, _ = MATRICES["down"]
+    consts = (f"#define HIDDEN {dn_rows}\n#define GU_ROWS {gu_rows}\n#define GU_KV {gu_kv}\n#define DN_ROWS {dn_rows}\n"
+              f"#define DN_KV {dn_kv}\n#define POOL_E {POOL}\n#define USED_E {USED}\n")
+    return "".join(parts) + consts + MAIN
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--keep", help="write the generated CUDA source here too")
+    args = ap.parse_args()
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+    if nvcc is None:
+        sys.exit("pdl_probe: nvcc not found (run it on the GPU machine)")
+    src = program()
+    if args.keep:
+        with open(args.keep, "w") as f:
+            f.write(src)
+    with tempfile.TemporaryDirectory() as d:
+        cu, exe = os.path.join(d, "pdl_probe.cu"), os.path.join(d, "pdl_probe")
+        with open(cu, "w") as f:
+            f.write(src)
+        built = subprocess.run([nvcc, "-O3", "-std=c++17", "-arch=sm_90", "-o", exe, cu], capture_output=True, text=True)
+        if built.returncode != 0:
+            sys.exit(f"pdl_probe: nvcc failed:\n{built.stderr[-4000:]}")
+        ran = subprocess.run([exe], capture_output=True, text=True)
+        if ran.returncode != 0:
+            sys.exit(f"pdl_probe: the probe failed (rc {ran.returncode}):\n{ran.stdout}{ran.stderr}")
+    copy_gbs, rows = None, []
+    for line in ran.stdout.splitlines():
+        if m := re.match(r"COPY ([\d.]+)", line):
+            copy_gbs = float(m.group(1))
+        elif m := re.match(r"ROW (\S+) (\d+) ([-\d.]+) (\d+)", line):
+            us = float(m.group(3))
+            rows.append({"mode": m.group(1), "round": int(m.group(2)), "us": us if us >= 0 else None,
+                         "samples": int(m.group(4))})
+    print(f"copy bandwidth (cudaMemcpy D2D, read + write): {copy_gbs:.0f} GB/s")
+    print("| launches of a layer (route+split, gate/up kmma, down kmma, combine) | round | GPU us a layer | samples |")
+    print("|---|---|---|---|")
+    for r in rows:
+        us = f"{r['us']:.1f}" if r["us"] is not None else "host-bound"
+        print(f"| {r['mode']} | {r['round']} | {us} | {r['samples']} of 7 |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
