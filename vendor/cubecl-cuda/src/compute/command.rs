@@ -430,6 +430,7 @@ impl<'a> Command<'a> {
     ///
     /// * A `DynFut<()>` future that resolves when the stream is synchronized.
     pub fn sync(&mut self) -> DynFut<Result<(), ServerError>> {
+        super::eyrie_trace::record(self.streams.current().sys, "sync", String::new);
         let fence = Fence::new(self.streams.current().sys);
 
         Box::pin(async { fence.wait_sync() })
@@ -524,6 +525,7 @@ pub(crate) unsafe fn write_to_gpu(
     if rank <= 1 {
         // SAFETY: For rank <= 1 data is contiguous. `dst_ptr` is a valid device pointer
         // and `data` is a valid host slice.
+        super::eyrie_trace::record(stream, "htod", || format!("{} bytes", data.len()));
         unsafe {
             cudarc::driver::result::memcpy_htod_async(dst_ptr, data, stream).map_err(|e| {
                 IoError::Unknown {
@@ -566,7 +568,13 @@ pub(crate) unsafe fn write_to_gpu(
         // SAFETY: The `CUDA_MEMCPY2D_st` is fully initialized with valid source/dest
         // pointers, memory types, and dimensions derived from the validated shape/strides.
         unsafe {
-            cuMemcpy2DAsync_v2(&cpy, stream)
+            {
+                // Eyrie patch: the stream trace (`eyrie_trace`).
+                super::eyrie_trace::record(stream, "memcpy2d", || {
+                    format!("{} x {} bytes", cpy.WidthInBytes, cpy.Height)
+                });
+                cuMemcpy2DAsync_v2(&cpy, stream)
+            }
                 .result()
                 .map_err(|e| IoError::Unknown {
                     description: format!("CUDA memcpy failed: {e}"),
@@ -610,6 +618,7 @@ pub(crate) unsafe fn write_to_cpu(
     if rank <= 1 {
         // SAFETY: For rank <= 1 data is contiguous. `resource_ptr` is a valid device pointer
         // and `bytes` has sufficient capacity.
+        super::eyrie_trace::record(stream, "dtoh", || format!("{} bytes", bytes.len()));
         unsafe {
             cudarc::driver::result::memcpy_dtoh_async(bytes, resource_ptr, stream).map_err(|e| {
                 IoError::Unknown {
@@ -652,7 +661,13 @@ pub(crate) unsafe fn write_to_cpu(
         // SAFETY: The `CUDA_MEMCPY2D_st` is fully initialized with valid source/dest
         // pointers, memory types, and dimensions derived from the validated shape/strides.
         unsafe {
-            cuMemcpy2DAsync_v2(&cpy, stream)
+            {
+                // Eyrie patch: the stream trace (`eyrie_trace`).
+                super::eyrie_trace::record(stream, "memcpy2d", || {
+                    format!("{} x {} bytes", cpy.WidthInBytes, cpy.Height)
+                });
+                cuMemcpy2DAsync_v2(&cpy, stream)
+            }
                 .result()
                 .map_err(|e| IoError::Unknown {
                     description: format!("CUDA 2D memcpy failed: {e}"),

@@ -1,6 +1,8 @@
 pub(crate) mod command;
 pub(crate) mod communication;
 pub(crate) mod context;
+// Eyrie patch: a log of stream operations (`EYRIE_TRACE_STREAM`).
+pub(crate) mod eyrie_trace;
 pub(crate) mod io;
 pub(crate) mod storage;
 pub(crate) mod stream;

@@ -82,6 +82,7 @@ impl GpuStorage {
             .for_each(|(ptr, kind)| unsafe {
                 match kind {
                     AllocationKind::Async => {
+                        crate::compute::eyrie_trace::record(self.stream, "free_async", || format!("{ptr:#x}"));
                         let _ = cudarc::driver::result::free_async(ptr, self.stream);
                     }
                     AllocationKind::Sync => {
@@ -186,6 +187,7 @@ impl ComputeStorage for GpuStorage {
         // allocation on the stream; falls back to synchronous allocation if that fails.
         // The returned pointer is stored in `self.memory` and freed on deallocation.
         let ptr = unsafe { cudarc::driver::result::malloc_async(self.stream, size as usize) };
+        crate::compute::eyrie_trace::record(self.stream, "malloc_async", || format!("{size} bytes"));
         let (ptr, kind) = match ptr {
             Ok(ptr) => (ptr, AllocationKind::Async),
             Err(_) => unsafe {

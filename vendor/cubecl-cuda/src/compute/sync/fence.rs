@@ -34,6 +34,7 @@ impl Fence {
             let event =
                 cudarc::driver::result::event::create(CUevent_flags::CU_EVENT_DEFAULT).unwrap();
             cudarc::driver::result::event::record(event, stream).unwrap();
+            crate::compute::eyrie_trace::record(stream, "event_record", || format!("{event:p}"));
 
             Self { event }
         }
@@ -45,6 +46,7 @@ impl Fence {
         // SAFETY: `self.event` is a valid event created in `Fence::new`. We synchronize
         // (block) until the event completes, then destroy it. `self` is consumed so the
         // event cannot be double-freed.
+        crate::compute::eyrie_trace::record(std::ptr::null_mut(), "event_sync", || format!("{:p}", self.event));
         unsafe {
             cudarc::driver::result::event::synchronize(self.event).map_err(|err| {
                 ServerError::Generic {
@@ -74,6 +76,7 @@ impl Fence {
         // SAFETY: `self.event` is a valid event created in `Fence::new`. `stream` must be
         // a valid CUDA stream. The event is destroyed after the wait, and `self` is consumed
         // so the event cannot be used again.
+        crate::compute::eyrie_trace::record(stream, "event_wait", || format!("{:p}", self.event));
         unsafe {
             cudarc::driver::result::stream::wait_event(
                 stream,
