@@ -6,6 +6,8 @@ mod compute;
 mod device;
 mod runtime;
 
+// Eyrie patch: the source rewrite (markers, PDL prologue), for offline compiles.
+pub use compute::{EYRIE_PDL_WAIT, eyrie_source_rewrite};
 pub use device::*;
 pub use runtime::*;
 

@@ -39,6 +39,15 @@
 //! Weights staged in shared memory instead (a ring of `cp.async` copies, one `mbarrier` a stage: commit a13e488)
 //! were correct and no faster on the H200 (bench/REPORT.md, session 18): the barrier and copy instructions add a
 //! third to the loop, which the registers' version does not need to keep enough bytes in flight.
+//!
+//! # Programmatic dependent launch
+//!
+//! On sm_90+ every CubeCL kernel is a programmatic dependent launch that waits for its predecessor (vendored
+//! cubecl-cuda, `eyrie_source_rewrite`). The down launch (ungated) places its waits itself
+//! (`comment!("EYRIE_PDL_WAIT")`): its first block of weights and scales, and the routing (written by the router,
+//! two launches back), are read before it waits for gate/up's intermediate, so those loads overlap gate/up's tail;
+//! every thread passes a second wait before it ends. The gated launch reads the routing its predecessor wrote and
+//! waits at its entry.
 
 use burn::cubecl;
 use cubecl::cmma::MmaDefinition;
@@ -108,6 +117,7 @@ fn load_block<N: Size>(
     #[comptime] tiles: usize,
     #[comptime] gated: bool,
     #[comptime] tiled: bool,
+    #[comptime] wait: bool,
 ) {
     let kv = comptime!(k / 32);
     let ng = comptime!(k / group);
@@ -135,6 +145,11 @@ fn load_block<N: Size>(
                 sa[2 * mt + h] = scale_pair(scales[row * ng + v * 32 / group]);
             }
         }
+    }
+    if wait {
+        // The activations are the previous launch's output: wait for it here, after the weight loads (PDL, see
+        // `expert_mma_kernel`).
+        comment!("EYRIE_PDL_WAIT");
     }
     load_x::<N>(xs, xrow, xok, xb, v, tb);
 }
@@ -468,6 +483,7 @@ pub fn expert_mma_kernel<N: Size>(
                     tiles,
                     gated,
                     tiled,
+                    comptime!(!gated),
                 );
                 let mut i = part;
                 while i < nblk {
@@ -495,6 +511,7 @@ pub fn expert_mma_kernel<N: Size>(
                         tiles,
                         gated,
                         tiled,
+                        false,
                     );
 
                     if loads_only {
@@ -567,6 +584,11 @@ pub fn expert_mma_kernel<N: Size>(
             }
         }
         slot += CUBE_COUNT_Y as usize;
+    }
+    if !gated {
+        // Every thread waits for the previous launch before it ends (those that loaded no activations have not
+        // yet), so that this launch's completion implies its predecessor's, as with the wait at the entry.
+        comment!("EYRIE_PDL_WAIT");
     }
 }
 

@@ -782,7 +782,8 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
     Ok(CudaKernelSource {
         entry,
         dynamic_smem: repr.shared_memory_size(),
-        source: repr.to_string(),
+        // As cubecl-cuda rewrites it for the device (markers, the PDL prologue from sm_90).
+        source: cubecl::cuda::eyrie_source_rewrite(&repr.to_string(), arch.version >= 90),
         threads: (dim.x * dim.y * dim.z) as usize,
     })
 }

@@ -51,6 +51,8 @@ pub struct CompiledKernel {
     /// Eyrie patch: the kernel waits for the previous grid at its entry (`griddepcontrol.wait`, found in its PTX),
     /// so it may be launched as a programmatic dependent launch.
     pdl: bool,
+    /// Eyrie patch: the entry point's name, for the stream trace (`eyrie_trace`).
+    name: String,
 }
 
 /// Eyrie patch: programmatic dependent launch (PDL, sm_90 and later). Each kernel compiled here starts by waiting
@@ -64,18 +66,56 @@ fn pdl_enabled() -> bool {
     *ON.get_or_init(|| std::env::var("EYRIE_PDL").map(|v| v != "0").unwrap_or(true))
 }
 
-/// Eyrie patch: `source` with the PDL prologue at the start of its kernel's body (the first `{` after `__global__`:
-/// CubeCL's CUDA dialect writes no brace in an entry point's launch bounds or parameters); `None` without one.
-fn with_pdl_prologue(source: &str) -> Option<String> {
-    let entry = source.find("__global__")?;
-    let body = entry + source[entry..].find('{')? + 1;
-    let mut out = String::with_capacity(source.len() + 128);
-    out.push_str(&source[..body]);
-    out.push_str(
-        "\nasm volatile(\"griddepcontrol.wait;\" ::: \"memory\");\nasm volatile(\"griddepcontrol.launch_dependents;\");\n",
-    );
-    out.push_str(&source[body..]);
-    Some(out)
+/// Eyrie patch: whether a kernel's `// EYRIE_PDL_WAIT` markers place its wait (see [`eyrie_source_rewrite`]); on by
+/// default, `EYRIE_PDL_LATE=0` keeps the wait at the entry instead (for comparisons).
+fn pdl_late_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EYRIE_PDL_LATE").map(|v| v != "0").unwrap_or(true))
+}
+
+/// Eyrie patch: whether every launch sets its function's dynamic shared memory size again (upstream's way; off
+/// by default: it is set once when the function is loaded). `EYRIE_FUNC_ATTR_EACH_LAUNCH=1` turns it on.
+fn func_attr_each_launch() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EYRIE_FUNC_ATTR_EACH_LAUNCH").is_ok_and(|v| v == "1"))
+}
+
+/// Marker (a CubeCL `comment!`) for the PDL wait: a kernel holding one waits for its predecessor there instead of
+/// at its entry. Every read of what the launch before it wrote, and every write, must come after a marker on the
+/// same thread; before it only reads of buffers written two or more launches back (or never) are allowed. A thread
+/// that reaches no marker does not wait, so a kernel should also pass one on every path to its end (its completion
+/// then implies its predecessor's, as with the entry wait).
+pub const EYRIE_PDL_WAIT: &str = "// EYRIE_PDL_WAIT";
+
+const PDL_WAIT_ASM: &str = "asm volatile(\"griddepcontrol.wait;\" ::: \"memory\");";
+const PDL_TRIGGER_ASM: &str = "asm volatile(\"griddepcontrol.launch_dependents;\");";
+
+/// Eyrie patch: the generated CUDA source as NVRTC gets it. With `pdl` (sm_90 and later, see `pdl_enabled`) the
+/// kernel's body (the first `{` after
+/// `__global__`: CubeCL's CUDA dialect writes no brace in an entry point's launch bounds or parameters) starts by
+/// letting the next grid be scheduled (`griddepcontrol.launch_dependents`) and by waiting for the previous one
+/// (`griddepcontrol.wait`), unless the source has [`EYRIE_PDL_WAIT`] markers, which then become the waits. Without
+/// `pdl` the wait markers stay comments. Also used by the offline compiles (eyrie-quant's `cuda::offline`), so
+/// that they compile what the device runs.
+pub fn eyrie_source_rewrite(source: &str, pdl: bool) -> String {
+    let mut out = source.to_string();
+    if !pdl {
+        return out;
+    }
+    let late = pdl_late_enabled() && out.contains(EYRIE_PDL_WAIT);
+    if late {
+        out = out.replace(EYRIE_PDL_WAIT, PDL_WAIT_ASM);
+    }
+    let Some(entry) = out.find("__global__") else { return out };
+    let Some(brace) = out[entry..].find('{') else { return out };
+    let body = entry + brace + 1;
+    let prologue = if late {
+        format!("\n{PDL_TRIGGER_ASM}\n")
+    } else {
+        format!("\n{PDL_WAIT_ASM}\n{PDL_TRIGGER_ASM}\n")
+    };
+    out.insert_str(body, &prologue);
+    out
 }
 
 #[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq, Clone)]
@@ -171,13 +211,9 @@ impl CudaContext {
             }
         }
 
-        // Eyrie patch: the PDL prologue (see `pdl_enabled`).
-        if self.arch.version >= 90
-            && pdl_enabled()
-            && let Some(source) = with_pdl_prologue(&kernel_compiled.source)
-        {
-            kernel_compiled.source = source;
-        }
+        // Eyrie patch: markers and the PDL prologue (see `eyrie_source_rewrite`).
+        kernel_compiled.source =
+            eyrie_source_rewrite(&kernel_compiled.source, self.arch.version >= 90 && pdl_enabled());
 
         let cube_dim = kernel_compiled.cube_dim;
         let arch = if self.arch.version >= 90 {
@@ -280,6 +316,7 @@ impl CudaContext {
         cube_dim: CubeDim,
         shared_mem_bytes: usize,
     ) -> Result<(), CompilationError> {
+        let name = entrypoint_name.clone();
         let func_name = CString::new(entrypoint_name).unwrap();
         // SAFETY: `ptx` is a valid null-terminated PTX binary from NVRTC. `func_name` is a
         // null-terminated `CString` matching the kernel entry point in the compiled module.
@@ -302,6 +339,21 @@ impl CudaContext {
         // predate the prologue, or come from a process with `EYRIE_PDL=0`).
         let ptx_bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
         let pdl = pdl_enabled() && ptx_bytes.windows(19).any(|w| w == b"griddepcontrol.wait");
+        // Eyrie patch: the function's dynamic shared memory size is set once here, not before every launch (a
+        // driver call of ~1 us on the launching thread each time; `EYRIE_FUNC_ATTR_EACH_LAUNCH=1` restores the
+        // per-launch call, for comparisons).
+        // SAFETY: `func` is the function handle just fetched from the loaded module.
+        unsafe {
+            cudarc::driver::result::function::set_function_attribute(
+                func,
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                shared_mem_bytes as i32,
+            )
+            .map_err(|err| CompilationError::Generic {
+                reason: format!("Unable to set the function's shared memory size: {err:?}"),
+                backtrace: BackTrace::capture(),
+            })?;
+        }
         self.module_names.insert(
             kernel_id.clone(),
             CompiledKernel {
@@ -309,6 +361,7 @@ impl CudaContext {
                 shared_mem_bytes,
                 func,
                 pdl,
+                name,
             },
         );
 
@@ -333,20 +386,28 @@ impl CudaContext {
 
         let kernel = self.module_names.get(&kernel_id).unwrap();
         let cube_dim = kernel.cube_dim;
+        super::eyrie_trace::record(stream.sys, "launch", || {
+            format!(
+                "{}\tgrid {:?}\tblock ({}, {}, {})\tsmem {}\tpdl {}",
+                kernel.name, dispatch_count, cube_dim.x, cube_dim.y, cube_dim.z, kernel.shared_mem_bytes, kernel.pdl
+            )
+        });
         // SAFETY: `kernel.func` is a valid function handle from a loaded module.
         // `stream.sys` is a valid CUDA stream. `bindings` contains valid device pointers
         // for all kernel arguments. The dispatch and cube dimensions are validated by
         // the caller.
         unsafe {
-            cudarc::driver::result::function::set_function_attribute(
-                kernel.func,
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                kernel.shared_mem_bytes as i32,
-            )
-            .map_err(|err| LaunchError::Unknown {
-                reason: format!("{err:?}"),
-                backtrace: BackTrace::capture(),
-            })?;
+            if func_attr_each_launch() {
+                cudarc::driver::result::function::set_function_attribute(
+                    kernel.func,
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    kernel.shared_mem_bytes as i32,
+                )
+                .map_err(|err| LaunchError::Unknown {
+                    reason: format!("{err:?}"),
+                    backtrace: BackTrace::capture(),
+                })?;
+            }
             if kernel.pdl {
                 // Eyrie patch: a programmatic dependent launch (see `pdl_enabled`).
                 let mut attr: cudarc::driver::sys::CUlaunchAttribute = std::mem::zeroed();

@@ -11,6 +11,8 @@ pub(crate) mod sync;
 mod server;
 
 pub use server::*;
+// Eyrie patch: the source rewrite (markers, PDL prologue), for offline compiles.
+pub use context::{EYRIE_PDL_WAIT, eyrie_source_rewrite};
 
 /// Creates a `Vec<I>` of the given length with uninitialized elements.
 ///
