@@ -159,8 +159,9 @@ HOOKS = {
 }
 
 
-def program():
-    """The probe's CUDA source: the ladder source twice (gate/up and down shapes, in namespaces), then `MAIN`."""
+def program(pool=POOL):
+    """The probe's CUDA source: the ladder source twice (gate/up and down shapes, in namespaces), then `MAIN`;
+    each layer's 8 experts are drawn from `pool`."""
     ladder = SRC.replace('extern "C" ', "")
     parts = ["#include <chrono>\n#include <cuda_runtime.h>\n__device__ int pdl_mode;  // 0 plain, 1 wait at start, "
              "2 down waits after its first weight loads\n"
@@ -179,7 +180,7 @@ def program():
     gu_rows, gu_kv, _ = MATRICES["gate_up"]
     dn_rows, dn_kv, _ = MATRICES["down"]
     consts = (f"#define HIDDEN {dn_rows}\n#define GU_ROWS {gu_rows}\n#define GU_KV {gu_kv}\n#define DN_ROWS {dn_rows}\n"
-              f"#define DN_KV {dn_kv}\n#define POOL_E {POOL}\n#define USED_E {USED}\n")
+              f"#define DN_KV {dn_kv}\n#define POOL_E {pool}\n#define USED_E {USED}\n")
     return "".join(parts) + consts + MAIN
 
 
@@ -187,11 +188,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--keep", help="write the generated CUDA source here too")
+    ap.add_argument("--pool", type=int, default=POOL,
+                    help=f"experts each layer draws its 8 from (default {POOL}; Kimi-K2's layer has 384)")
     args = ap.parse_args()
     nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
     if nvcc is None:
         sys.exit("pdl_probe: nvcc not found (run it on the GPU machine)")
-    src = program()
+    if args.pool < USED:
+        sys.exit(f"pdl_probe: --pool must be at least {USED}")
+    src = program(args.pool)
     if args.keep:
         with open(args.keep, "w") as f:
             f.write(src)
@@ -213,7 +218,7 @@ def main():
             us = float(m.group(3))
             rows.append({"mode": m.group(1), "round": int(m.group(2)), "us": us if us >= 0 else None,
                          "samples": int(m.group(4))})
-    print(f"copy bandwidth (cudaMemcpy D2D, read + write): {copy_gbs:.0f} GB/s")
+    print(f"copy bandwidth (cudaMemcpy D2D, read + write): {copy_gbs:.0f} GB/s; 8 experts a layer of {args.pool}")
     print("| launches of a layer (route+split, gate/up kmma, down kmma, combine) | round | GPU us a layer | samples |")
     print("|---|---|---|---|")
     for r in rows:
@@ -221,7 +226,7 @@ def main():
         print(f"| {r['mode']} | {r['round']} | {us} | {r['samples']} of 7 |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+            json.dump({"copy_gbs": copy_gbs, "pool": args.pool, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 //! ```text
 //! gpu_kernels check                 # kernel vs CPU reference on random inputs; exit 1 on a mismatch
 //! gpu_kernels bench --json FILE     # Kimi-K2 shapes, batch 1/8/32/128, vs the copy bandwidth of the same run
+//!                   [--pool N]       # each routing's experts drawn from the layer's first N (default all 384)
+//!                   [--no-sweep]     # the tuned launch shape (`MoeConfig::for_tokens`) only, no sweep
 //! gpu_kernels prefill [--m 512,2048,8192] [--json FILE]  # prefill widths on tensor cores: tokens a pass of 3+-token experts
 //! gpu_kernels stages [--m 1,8] [--full] [--stage gate_up|down] [--loads] [--json FILE]  # tensor-core launch shapes
 //!                                                   # of gate/up and of down, each alone (`--loads`: and their loads alone)
@@ -52,7 +54,7 @@ fn main() -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
     if !check && !bench && !prefill && !stages && !profile {
         bail!(
-            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128]] [prefill [--m 512,2048,8192]] \
+            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128] [--pool N] [--no-sweep]] [prefill [--m 512,2048,8192]] \
              [stages [--m 1,8] [--full] [--stage gate_up|down] [--loads]] [profile [--m 1] [--calls 20]]"
         );
     }
@@ -67,6 +69,16 @@ fn main() -> Result<()> {
     };
     if ms.contains(&0) {
         bail!("--m: token counts must be at least 1");
+    }
+    let pool: usize = match args.iter().position(|a| a == "--pool") {
+        Some(i) => {
+            let v = args.get(i + 1).context("--pool needs an expert count such as 64")?;
+            v.parse().with_context(|| format!("--pool: {v:?} is not an expert count"))?
+        }
+        None => KIMI.experts,
+    };
+    if !(TOPK..=KIMI.experts).contains(&pool) {
+        bail!("--pool: {pool} experts; it must be {TOPK} to {}", KIMI.experts);
     }
     let client = R::client(&CudaDevice::default());
     if check && quick && !bench && !prefill {
@@ -85,7 +97,8 @@ fn main() -> Result<()> {
         failed = run_checks(&client, Some((&kimi, &gpu_kimi)))?;
     }
     if bench {
-        run_bench(&client, &kimi, &gpu_kimi, json.as_deref(), &ms)?;
+        let sweep = !args.iter().any(|a| a == "--no-sweep");
+        run_bench(&client, &kimi, &gpu_kimi, json.as_deref(), &ms, (pool, sweep))?;
     }
     if stages {
         let ms = if args.iter().any(|a| a == "--m") { ms.clone() } else { vec![1, 8] };
@@ -107,7 +120,7 @@ fn main() -> Result<()> {
         };
         let ms = if args.iter().any(|a| a == "--m") { ms.clone() } else { vec![1] };
         for &m in &ms {
-            let BenchInputs { x, out, routings, .. } = bench_inputs(&client, &KIMI, m, 3000)?;
+            let BenchInputs { x, out, routings, .. } = bench_inputs(&client, &KIMI, m, 3000, KIMI.experts)?;
             let cfg = MoeConfig::for_tokens(m);
             for j in 0..calls {
                 moe_forward_with::<_, bf16>(&client, &gpu_kimi, &x, &routings[j % 16], &out, &cfg, Stages::All);
@@ -436,13 +449,14 @@ struct BenchInputs {
     max_tokens: usize,
 }
 
-fn bench_inputs(client: &ComputeClient<R>, s: &MoeShape, m: usize, seed: u64) -> Result<BenchInputs> {
+/// `pool`: the routings' experts are drawn from the first `pool` of the layer's.
+fn bench_inputs(client: &ComputeClient<R>, s: &MoeShape, m: usize, seed: u64, pool: usize) -> Result<BenchInputs> {
     let mut rng = SplitMix64::new(seed);
     let x = client.create_from_slice(bf16::as_bytes(&rng.activations(m * s.hidden)));
     let out = client.empty(m * s.hidden * 4);
     let (mut routings, mut active, mut max_tokens) = (Vec::new(), Vec::new(), 0);
     for _ in 0..16 {
-        let (ids, weights) = rng.routing(m, TOPK, s.experts);
+        let (ids, weights) = rng.routing(m, TOPK, pool);
         let r = Routing::new(&ids, m, TOPK, s.experts)?;
         active.push(r.experts.len());
         max_tokens = max_tokens.max(r.max_tokens);
@@ -482,8 +496,12 @@ fn run_bench(
     gpu: &GpuExperts<R>,
     json: Option<&str>,
     ms: &[usize],
+    (pool, sweep_shapes): (usize, bool),
 ) -> Result<()> {
     let s = kimi.shape();
+    if pool < s.experts {
+        println!("routings drawn from the layer's first {pool} of {} experts", s.experts);
+    }
     // Copy bandwidth: 1 GiB read + 1 GiB written per copy.
     let floats = 1usize << 28;
     let src = client.empty(floats * 4);
@@ -501,12 +519,12 @@ fn run_bench(
     println!("|---|---|---|---|---|---|---|---|");
     let mut rows = Vec::new();
     for (i, &m) in ms.iter().enumerate() {
-        let BenchInputs { x, out, routings, active, max_tokens } = bench_inputs(client, &s, m, 1000 + i as u64)?;
+        let BenchInputs { x, out, routings, active, max_tokens } = bench_inputs(client, &s, m, 1000 + i as u64, pool)?;
         let fwd = |cfg: &MoeConfig, stages: Stages, j: usize| {
             moe_forward_with::<_, bf16>(client, gpu, &x, &routings[j % 16], &out, cfg, stages)
         };
-        let mut best = (f64::INFINITY, MoeConfig::default());
-        for cfg in sweep(m) {
+        let mut best = (f64::INFINITY, MoeConfig::for_tokens(m));
+        for cfg in if sweep_shapes { sweep(m) } else { Vec::new() } {
             let us = time_us(client, 8, 5, 16, |j| fwd(&cfg, Stages::All, j))?;
             eprintln!("  m={m} {cfg:?}: {us:.1} us");
             if us < best.0 {
@@ -609,7 +627,7 @@ fn run_stage_sweep(
     let mut out = Vec::new();
     let behind = BehindCopy::new(client).map_err(anyhow::Error::msg)?;
     for (i, &m) in ms.iter().enumerate() {
-        let BenchInputs { x, out: y, routings, .. } = bench_inputs(client, &s, m, 2000 + i as u64)?;
+        let BenchInputs { x, out: y, routings, .. } = bench_inputs(client, &s, m, 2000 + i as u64, s.experts)?;
         let base = MoeConfig::for_tokens(m);
         let Some(base_mm) = base.mma else { bail!("m = {m}: the tuned shape is not a tensor-core shape") };
         let fwd = |cfg: &MoeConfig, st: Stages, j: usize| {
