@@ -182,3 +182,42 @@ fn kimi_specialisations_cover_every_tuned_shape() {
     let big = rows.iter().map(|(_, r)| r.shared_bytes()).max().unwrap();
     assert_eq!(big, 129_024);
 }
+
+/// Where the tensor-core expert kernels wait for their predecessor (programmatic dependent launch, sm_90+), in the
+/// source the device compiles (`offline::cuda_source` applies cubecl-cuda's rewrite): gate/up, whose routing the
+/// launch before it writes, at its entry; down after its first weight and scale loads and before its first load of
+/// the activations (gate/up's output), once more before it ends, its entry only letting the next launch be
+/// scheduled. Below sm_90 no PDL instruction at all.
+#[test]
+fn expert_kernels_wait_for_their_predecessor_where_they_may() {
+    use crate::cuda::offline::cuda_source;
+    use crate::cuda::resources::Arch;
+    const WAIT: &str = "griddepcontrol.wait";
+    const TRIGGER: &str = "griddepcontrol.launch_dependents";
+    let mm = MoeConfig::for_tokens(1).mma.expect("one token runs on tensor cores");
+    let source = |spec: ExpertMmaSpec, version: u32| {
+        let s = cuda_source(&KernelSpec::ExpertMma { spec }, Arch { version }, 12080).expect("compiles").source;
+        // The kernel's body: from the first brace after `__global__`.
+        let entry = s.find("__global__").expect("an entry point");
+        s[entry + s[entry..].find('{').expect("a body")..].to_string()
+    };
+    let first = |body: &str, what: &str| body.find(what).unwrap_or_else(|| panic!("no {what}"));
+    let gate_up = source(ExpertMmaSpec::gate_up(&KIMI, 8, &mm, 1), 90);
+    assert_eq!(gate_up.matches(WAIT).count(), 1);
+    assert!(first(&gate_up, WAIT) < first(&gate_up, TRIGGER), "gate/up waits first");
+    assert!(first(&gate_up, TRIGGER) < first(&gate_up, "buffer_"), "both before any buffer access");
+    for tb in [1, 2] {
+        let down = source(ExpertMmaSpec::down(&KIMI, 8, &mm, tb), 90);
+        // Buffers in argument order: 0 the activations, 1 the weight words, 2 the scales.
+        assert_eq!(down.matches(WAIT).count(), 2, "tb {tb}");
+        assert!(first(&down, TRIGGER) < first(&down, WAIT), "tb {tb}");
+        assert!(first(&down, "buffer_1[") < first(&down, WAIT), "tb {tb}: weights before the wait");
+        assert!(first(&down, "buffer_2[") < first(&down, WAIT), "tb {tb}: scales before the wait");
+        assert!(first(&down, WAIT) < first(&down, "buffer_0["), "tb {tb}: activations after it");
+        assert!(!down.contains("EYRIE_PDL_WAIT"), "tb {tb}: every marker replaced");
+        assert!(down.rfind(WAIT) > down.rfind("buffer_6["), "tb {tb}: the second wait after the last output write");
+    }
+    for spec in [ExpertMmaSpec::gate_up(&KIMI, 8, &mm, 1), ExpertMmaSpec::down(&KIMI, 8, &mm, 1)] {
+        assert!(!source(spec, 80).contains("griddepcontrol"), "{spec:?}");
+    }
+}
