@@ -91,8 +91,8 @@ const PDL_WAIT_ASM: &str = "asm volatile(\"griddepcontrol.wait;\" ::: \"memory\"
 const PDL_TRIGGER_ASM: &str = "asm volatile(\"griddepcontrol.launch_dependents;\");";
 
 /// Eyrie patch: the generated CUDA source as NVRTC gets it. With `pdl` (sm_90 and later, see `pdl_enabled`) the
-/// kernel's body (the first `{` after
-/// `__global__`: CubeCL's CUDA dialect writes no brace in an entry point's launch bounds or parameters) starts by
+/// kernel's body (the first `{` after `__global__`: CubeCL's CUDA dialect writes no brace in an entry point's
+/// launch bounds or parameters) starts by
 /// letting the next grid be scheduled (`griddepcontrol.launch_dependents`) and by waiting for the previous one
 /// (`griddepcontrol.wait`), unless the source has [`EYRIE_PDL_WAIT`] markers, which then become the waits. Without
 /// `pdl` the wait markers stay comments. Also used by the offline compiles (eyrie-quant's `cuda::offline`), so
@@ -340,8 +340,8 @@ impl CudaContext {
         let ptx_bytes: Vec<u8> = ptx.iter().map(|&c| c as u8).collect();
         let pdl = pdl_enabled() && ptx_bytes.windows(19).any(|w| w == b"griddepcontrol.wait");
         // Eyrie patch: the function's dynamic shared memory size is set once here, not before every launch (a
-        // driver call of ~1 us on the launching thread each time; `EYRIE_FUNC_ATTR_EACH_LAUNCH=1` restores the
-        // per-launch call, for comparisons).
+        // driver call on the launching thread each time, its cost not yet measured; `EYRIE_FUNC_ATTR_EACH_LAUNCH=1`
+        // restores the per-launch call, for comparisons).
         // SAFETY: `func` is the function handle just fetched from the loaded module.
         unsafe {
             cudarc::driver::result::function::set_function_attribute(
