@@ -14,7 +14,8 @@ for kind in ptx cubin; do
   for f in $D/src/*.cu; do
     b=$(basename $f .cu); o=$D/n13$kind/$b.$kind
     case $b in entry_*) o=$D/n13${kind}_entry/${b#entry_}.$kind;; esac
-    python3 $D/nvrtc_compile.py $NV $f $o $kind $OPTS --ptxas-options=-v 2>&1 | tail -2
+    k=""; [ $kind = ptx ] && k=--ptx
+    python3 scripts/nvrtc_compile.py --nvrtc $NV $k $f $o -- $OPTS --ptxas-options=-v 2>&1 | tail -2
   done
 done
 for v in n13ptx cub n13cubin n12ptx n13ptx; do
@@ -29,5 +30,6 @@ done
 # Notes: `gk_all.txt` holds the four engine runs in order (the per-switch files keep the second of each). The
 # EYRIE_NVRTC_CUBIN switch was a patch of this lease's binary only (vendored cubecl-cuda `context.rs`: load NVRTC's
 # CUBIN via nvrtcGetCUBIN instead of the PTX); it measured no difference (69.0 / 68.8 us against 66.4 / 69.4) and was
-# not kept. `.device-s29/nvrtc_compile.py` (ctypes over libnvrtc) made the n13*/n12ptx kernels; the sources are the
+# not kept. The lease ran an earlier copy of `scripts/nvrtc_compile.py` (the same NVRTC calls, positional arguments;
+the command above is the committed script's) for the n13* kernels, and here the n12ptx ones (NVRTC 12.8); the sources are the
 # `--dump` .cu files, the down waiting at its entry dumped with EYRIE_PDL_LATE=0.

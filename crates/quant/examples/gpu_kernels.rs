@@ -54,7 +54,7 @@ fn main() -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
     if !check && !bench && !prefill && !stages && !profile {
         bail!(
-            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128] [--pool N] [--no-sweep]] [prefill [--m 512,2048,8192]] \
+            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128] [--pool N] [--routings N] [--no-sweep]] [prefill [--m 512,2048,8192]] \
              [stages [--m 1,8] [--full] [--stage gate_up|down] [--loads]] [profile [--m 1] [--calls 20]]"
         );
     }
@@ -80,6 +80,18 @@ fn main() -> Result<()> {
     if !(TOPK..=KIMI.experts).contains(&pool) {
         bail!("--pool: {pool} experts; it must be {TOPK} to {}", KIMI.experts);
     }
+    // `bench`: the calls cycle over this many of the 16 routings (1: every call reads the same routing buffers, which
+    // then stay in L2 as a routing the device router has just written does).
+    let cycle: usize = match args.iter().position(|a| a == "--routings") {
+        Some(i) => {
+            let v = args.get(i + 1).context("--routings needs a count such as 1")?;
+            v.parse().with_context(|| format!("--routings: {v:?} is not a count"))?
+        }
+        None => 16,
+    };
+    if !(1..=16).contains(&cycle) {
+        bail!("--routings: {cycle}; it must be 1 to 16");
+    }
     let client = R::client(&CudaDevice::default());
     if check && quick && !bench && !prefill {
         if run_checks(&client, None)? {
@@ -98,7 +110,7 @@ fn main() -> Result<()> {
     }
     if bench {
         let sweep = !args.iter().any(|a| a == "--no-sweep");
-        run_bench(&client, &kimi, &gpu_kimi, json.as_deref(), &ms, (pool, sweep))?;
+        run_bench(&client, &kimi, &gpu_kimi, json.as_deref(), &ms, (pool, sweep, cycle))?;
     }
     if stages {
         let ms = if args.iter().any(|a| a == "--m") { ms.clone() } else { vec![1, 8] };
@@ -496,11 +508,14 @@ fn run_bench(
     gpu: &GpuExperts<R>,
     json: Option<&str>,
     ms: &[usize],
-    (pool, sweep_shapes): (usize, bool),
+    (pool, sweep_shapes, cycle): (usize, bool, usize),
 ) -> Result<()> {
     let s = kimi.shape();
     if pool < s.experts {
         println!("routings drawn from the layer's first {pool} of {} experts", s.experts);
+    }
+    if cycle < 16 {
+        println!("the calls cycle over {cycle} of the 16 routings");
     }
     // Copy bandwidth: 1 GiB read + 1 GiB written per copy.
     let floats = 1usize << 28;
@@ -521,7 +536,7 @@ fn run_bench(
     for (i, &m) in ms.iter().enumerate() {
         let BenchInputs { x, out, routings, active, max_tokens } = bench_inputs(client, &s, m, 1000 + i as u64, pool)?;
         let fwd = |cfg: &MoeConfig, stages: Stages, j: usize| {
-            moe_forward_with::<_, bf16>(client, gpu, &x, &routings[j % 16], &out, cfg, stages)
+            moe_forward_with::<_, bf16>(client, gpu, &x, &routings[j % cycle], &out, cfg, stages)
         };
         let mut best = (f64::INFINITY, MoeConfig::for_tokens(m));
         for cfg in if sweep_shapes { sweep(m) } else { Vec::new() } {
@@ -543,7 +558,14 @@ fn run_bench(
         eprintln!("  m={m} fused split {:.1} us, separate split launch {:.1} us", ab[0], ab[1]);
         println!("(m = {m}: intermediate split fused into gate/up {:.1} us, as its own launch {:.1} us)", ab[0], ab[1]);
         let us = time_us(client, 16, 9, 32, |j| fwd(&cfg, Stages::All, j))?;
-        let gpu_us = behind.time_us(client, 16, 16, |j| fwd(&cfg, Stages::All, j)).map_err(anyhow::Error::msg)?;
+        let (gpu_us, host_clock_us) =
+            behind.time_us_clocks(client, 16, 16, |j| fwd(&cfg, Stages::All, j)).map_err(anyhow::Error::msg)?;
+        if behind.gpu_clock() {
+            println!(
+                "(m = {m}: GPU us on CUDA events {gpu_us:.1}; the same runs on the host clock, to the device sync's \
+                 return, {host_clock_us:.1})"
+            );
+        }
         let stage_us: Vec<f64> = [Stages::GateUp, Stages::Down, Stages::Combine]
             .into_iter()
             .map(|st| behind.time_us(client, 16, 16, |j| fwd(&cfg, st, j)).map_err(anyhow::Error::msg))
@@ -566,7 +588,7 @@ fn run_bench(
         rows.push(serde_json::json!({
             "m": m, "topk": TOPK, "active_experts_mean": mean_active, "us": us, "bytes": bytes,
             "gb_per_s": gbs, "pct_copy_bw": 100.0 * gbs / copy_gbs, "max_tokens_per_expert": max_tokens,
-            "gpu_us": gpu_us, "gpu_gb_per_s": gpu_gbs, "gpu_pct_copy_bw": 100.0 * gpu_gbs / copy_gbs,
+            "gpu_us": gpu_us, "gpu_host_clock_us": host_clock_us, "gpu_gb_per_s": gpu_gbs, "gpu_pct_copy_bw": 100.0 * gpu_gbs / copy_gbs,
             "roofline_us": bytes / (copy_gbs * 1e3),
             "config": format!("{cfg:?}"),
             "gpu_stage_us": {"gate_up": stage_us[0], "down": stage_us[1], "combine": stage_us[2]},
@@ -578,7 +600,9 @@ fn run_bench(
         let doc = serde_json::json!({
             "what": "fused INT4 W4A16 MoE layer (eyrie-quant CubeCL kernels: gate+up+SiLU, down, combine)",
             "shape": {"hidden": s.hidden, "inter": s.inter, "experts": s.experts, "group": s.group, "topk": TOPK},
-            "timing": "us: wall clock over 32 calls between device syncs, median of 9 batches, 16 routings cycled; launch shape: fastest of a sweep (config). gpu_us, gpu_stage_us: 16 calls queued behind a 2 GiB copy, (copy + calls - copy) / 16, medians of 7 (the GPU's own time, host enqueue hidden)",
+            "timing": "us: wall clock over 32 calls between device syncs, median of 9 batches, routings_cycled of 16 routings cycled; launch shape: fastest of a sweep (config). gpu_us, gpu_stage_us: 16 calls queued behind a 2 GiB copy, (copy + calls - copy) / 16, medians of 7 (the GPU's own time, host enqueue hidden; on CUDA between two CUDA events, gpu_host_clock_us the same runs to the device sync's return)",
+            "gpu_clock": if behind.gpu_clock() { "cuda events" } else { "host" },
+            "routings_cycled": cycle, "expert_pool": pool,
             "copy_gb_per_s": copy_gbs,
             "rows": rows,
         });

@@ -764,12 +764,19 @@ pub fn copy_bandwidth<R: Runtime>(client: &ComputeClient<R>) -> Result<f64, Stri
 /// (copy + calls) less the copy's own, medians of 7, is divided by `iters`. The host's enqueue of the calls (~10 us a
 /// launch through CubeCL, longer than short kernels, which a wall clock over back-to-back calls would measure
 /// instead) runs while the GPU copies. The benchmark programs' GPU-time columns.
+///
+/// On CUDA the time is the GPU's own, between two CUDA events on CubeCL's stream (one recorded before the copy, one
+/// after the last call); elsewhere, and where the events cannot be made, it is the host's clock from before the
+/// copy's enqueue to the return of the device sync after the calls. Session 29 measured both on the one-token MoE
+/// layer: within 0.3 us a call of each other (bench/REPORT.md), so figures from before the events stand.
 #[derive(Debug)]
 pub struct BehindCopy {
     src: Handle,
     dst: Handle,
     floats: usize,
     copy_s: f64,
+    copy_host_s: f64,
+    events: Option<cuda_events::Events>,
 }
 
 impl BehindCopy {
@@ -780,22 +787,32 @@ impl BehindCopy {
     pub fn new<R: Runtime>(client: &ComputeClient<R>) -> Result<Self, String> {
         let floats = 1usize << 29;
         let (src, dst) = (client.empty(floats * 4), client.empty(floats * 4));
-        let mut me = Self { src, dst, floats, copy_s: 0.0 };
-        me.copy_s = me.median7(client, 0, |_| {})?.0;
+        let events = cuda_events::Events::new(client, &src);
+        let mut me = Self { src, dst, floats, copy_s: 0.0, copy_host_s: 0.0, events };
+        (me.copy_s, me.copy_host_s, _) = me.median7(client, 0, |_| {})?;
         Ok(me)
     }
 
-    /// Median of 7 (copy + `iters` calls) in seconds, and the longest host enqueue of the calls.
+    /// Whether the times are the GPU's own (CUDA events) rather than the host's clock.
+    pub fn gpu_clock(&self) -> bool {
+        self.events.is_some()
+    }
+
+    /// Medians of 7 (copy + `iters` calls) in seconds, on the GPU's clock where there is one (else the host's)
+    /// and on the host's, and the longest host enqueue of the calls.
     fn median7<R: Runtime>(
         &self,
         client: &ComputeClient<R>,
         iters: usize,
         mut f: impl FnMut(usize),
-    ) -> Result<(f64, f64), String> {
+    ) -> Result<(f64, f64, f64), String> {
         let sync = || cubecl::future::block_on(client.sync()).map_err(|e| format!("device sync: {e:?}"));
-        let (mut t, mut enqueue) = (Vec::with_capacity(7), 0.0f64);
+        let (mut t, mut host, mut enqueue) = (Vec::with_capacity(7), Vec::with_capacity(7), 0.0f64);
         for r in 0..7 {
             sync()?;
+            if let Some(ev) = &self.events {
+                ev.record_start()?;
+            }
             let t0 = std::time::Instant::now();
             copy_f32(client, &self.src, &self.dst, self.floats);
             let t1 = std::time::Instant::now();
@@ -803,11 +820,21 @@ impl BehindCopy {
                 f(r * iters + i);
             }
             enqueue = enqueue.max(t1.elapsed().as_secs_f64());
+            let gpu = match &self.events {
+                Some(ev) => Some(ev.record_end(client, &self.src)?),
+                None => None,
+            };
             sync()?;
-            t.push(t0.elapsed().as_secs_f64());
+            let wall = t0.elapsed().as_secs_f64();
+            host.push(wall);
+            t.push(match (gpu, &self.events) {
+                (Some(()), Some(ev)) => ev.elapsed_s()?,
+                _ => wall,
+            });
         }
         t.sort_by(f64::total_cmp);
-        Ok((t[3], enqueue))
+        host.sort_by(f64::total_cmp);
+        Ok((t[3], host[3], enqueue))
     }
 
     /// GPU microseconds per call of `f` (given the call's index) after `warm` untimed calls (enough that every
@@ -821,12 +848,27 @@ impl BehindCopy {
         client: &ComputeClient<R>,
         warm: usize,
         iters: usize,
-        mut f: impl FnMut(usize),
+        f: impl FnMut(usize),
     ) -> Result<f64, String> {
+        Ok(self.time_us_clocks(client, warm, iters, f)?.0)
+    }
+
+    /// [`Self::time_us`] and, from the same runs, the host clock's figure (device sync return less enqueue of the
+    /// copy; equal to the first where there are no events).
+    ///
+    /// # Errors
+    /// As [`Self::time_us`].
+    pub fn time_us_clocks<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        warm: usize,
+        iters: usize,
+        mut f: impl FnMut(usize),
+    ) -> Result<(f64, f64), String> {
         for i in 0..warm {
             f(i);
         }
-        let (t, enqueue) = self.median7(client, iters, f)?;
+        let (t, host, enqueue) = self.median7(client, iters, f)?;
         if enqueue > 0.9 * self.copy_s {
             return Err(format!(
                 "host enqueue of {iters} calls took {:.0} us, the copy hiding it {:.0} us: use fewer calls",
@@ -834,7 +876,8 @@ impl BehindCopy {
                 self.copy_s * 1e6
             ));
         }
-        Ok((t - self.copy_s) * 1e6 / iters as f64)
+        let per = |a: f64, b: f64| (a - b) * 1e6 / iters as f64;
+        Ok((per(t, self.copy_s), per(host, self.copy_host_s)))
     }
 }
 
@@ -854,5 +897,93 @@ pub fn copy_f32<R: Runtime>(client: &ComputeClient<R>, src: &Handle, dst: &Handl
             arg(src, vectors),
             arg(dst, vectors),
         );
+    }
+}
+
+/// CUDA events on CubeCL's stream for [`BehindCopy`] (the CUDA runtime only: other runtimes get `None`).
+mod cuda_events {
+    use burn::cubecl;
+    use cubecl::cuda::CudaRuntime;
+    use cubecl::prelude::*;
+    use cubecl::server::Handle;
+    use cudarc::driver::{result, sys};
+
+    /// Two events of the context that owns CubeCL's stream, and that stream.
+    #[derive(Debug)]
+    pub(super) struct Events {
+        ctx: sys::CUcontext,
+        stream: sys::CUstream,
+        start: sys::CUevent,
+        end: sys::CUevent,
+    }
+
+    // SAFETY: the handles are plain driver handles, used from one thread at a time (`BehindCopy` is not `Sync`
+    // across a call) with their context made current first.
+    unsafe impl Send for Events {}
+
+    impl Events {
+        /// The events, or `None` when `client` is not CUDA's or the driver refuses (the host clock is used then).
+        pub(super) fn new<R: Runtime>(client: &ComputeClient<R>, buf: &Handle) -> Option<Self> {
+            let client = (client as &dyn std::any::Any).downcast_ref::<ComputeClient<CudaRuntime>>()?;
+            let stream = client.get_resource(buf.clone()).ok()?.resource().stream;
+            let mut ctx: sys::CUcontext = std::ptr::null_mut();
+            // SAFETY: CubeCL's live stream; `ctx` receives its context.
+            if unsafe { sys::cuStreamGetCtx(stream, &mut ctx) } != sys::CUresult::CUDA_SUCCESS {
+                return None;
+            }
+            // SAFETY: a live context.
+            unsafe { result::ctx::set_current(ctx) }.ok()?;
+            let start = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ok()?;
+            let Ok(end) = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT) else {
+                // SAFETY: made above, destroyed once.
+                let _ = unsafe { result::event::destroy(start) };
+                return None;
+            };
+            Some(Self { ctx, stream, start, end })
+        }
+
+        fn current(&self) -> Result<(), String> {
+            // SAFETY: the stream's live context.
+            unsafe { result::ctx::set_current(self.ctx) }.map_err(|e| format!("CUDA context: {e}"))
+        }
+
+        /// Records the start on the stream (CubeCL's queue is empty: called right after a device sync).
+        pub(super) fn record_start(&self) -> Result<(), String> {
+            self.current()?;
+            // SAFETY: live event and stream of the current context.
+            unsafe { result::event::record(self.start, self.stream) }.map_err(|e| format!("CUDA event: {e}"))
+        }
+
+        /// Records the end after everything enqueued so far: a resource lookup is a round trip through CubeCL's
+        /// queue, so every launch before it is on the stream when it returns.
+        pub(super) fn record_end<R: Runtime>(&self, client: &ComputeClient<R>, buf: &Handle) -> Result<(), String> {
+            client.get_resource(buf.clone()).map_err(|e| format!("device memory: {e:?}"))?;
+            self.current()?;
+            // SAFETY: live event and stream of the current context.
+            unsafe { result::event::record(self.end, self.stream) }.map_err(|e| format!("CUDA event: {e}"))
+        }
+
+        /// Seconds between the two events (waits for the end).
+        pub(super) fn elapsed_s(&self) -> Result<f64, String> {
+            self.current()?;
+            // SAFETY: both recorded on one stream of the current context.
+            let ms = unsafe {
+                result::event::synchronize(self.end).map_err(|e| format!("CUDA event: {e}"))?;
+                result::event::elapsed(self.start, self.end).map_err(|e| format!("CUDA event: {e}"))?
+            };
+            Ok(f64::from(ms) * 1e-3)
+        }
+    }
+
+    impl Drop for Events {
+        fn drop(&mut self) {
+            if self.current().is_ok() {
+                // SAFETY: made in `new`, destroyed once here.
+                unsafe {
+                    let _ = result::event::destroy(self.start);
+                    let _ = result::event::destroy(self.end);
+                }
+            }
+        }
     }
 }
