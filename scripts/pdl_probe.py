@@ -58,6 +58,15 @@ __global__ void combine_like(const float* y, const float* wts, float* out, int n
   if (i < n) { float s = 0.f; for (int k = 0; k < 8; k++) s += wts[k] * y[k * n + i]; out[i] = s; }
 }
 
+// The copy the layers queue behind as the engine's benchmark makes it (PDL_PROBE_KERNEL_COPY=1): a kernel of one
+// float4 a thread (CubeCL's `copy_kernel` over 2^29 floats: 524288 blocks of 256), launched with the PDL attribute
+// and waiting / triggering at its entry; else `cudaMemcpyAsync`.
+__global__ void copy_like(const float4* a, float4* b, size_t n) {
+  PDL_WAIT(); PDL_TRIGGER();
+  size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) b[i] = a[i];
+}
+
 template <typename... K, typename... A>
 static void launch(void (*k)(K...), int blocks, int threads, bool pdl, cudaStream_t st, A... a) {
   cudaLaunchConfig_t cfg = {};
@@ -166,8 +175,18 @@ int main(int argc, char** argv) {
   size_t cbytes = (size_t)1 << 31; void *ca, *cb; CK(dmalloc(&ca, cbytes)); CK(dmalloc(&cb, cbytes));
   cudaStream_t st; CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   cudaEvent_t t0, t1; CK(cudaEventCreate(&t0)); CK(cudaEventCreate(&t1));
+  const char* kc_env = getenv("PDL_PROBE_KERNEL_COPY");
+  bool kernel_copy = kc_env && kc_env[0] == '1';
+  auto copy = [&]() {
+    if (kernel_copy) {
+      size_t n4 = cbytes / 16;
+      launch(copy_like, (int)(n4 / 256), 256, true, st, (const float4*)ca, (float4*)cb, n4);
+    } else {
+      CK(cudaMemcpyAsync(cb, ca, cbytes, cudaMemcpyDeviceToDevice, st));
+    }
+  };
   auto copy_ms = [&]() {
-    CK(cudaEventRecord(t0, st)); CK(cudaMemcpyAsync(cb, ca, cbytes, cudaMemcpyDeviceToDevice, st));
+    CK(cudaEventRecord(t0, st)); copy();
     CK(cudaEventRecord(t1, st)); CK(cudaStreamSynchronize(st)); float ms; CK(cudaEventElapsedTime(&ms, t0, t1));
     return ms;
   };
@@ -195,7 +214,7 @@ int main(int argc, char** argv) {
   InfoCombine icomb = {{(unsigned)hidden, (unsigned)hidden, (unsigned)hidden, (unsigned)hidden, (unsigned)hidden,
                         (unsigned)hidden, (unsigned)hidden, (unsigned)hidden}};
   // variant: 0 every kernel plain CUDA; 1 every kernel CubeCL's; 2 CubeCL's gate/up, the rest plain CUDA; 3 CubeCL's
-  // down, the rest plain CUDA. Mode 1 waits at each entry; mode 2: down waits after its first weight loads.
+  // down, the rest plain CUDA; 4-6 one stage of CubeCL's alone (below). Mode 1 waits at each entry; mode 2: down waits after its first weight loads.
   int *offsets_shared = offsets, *pairs_shared = pairs, *bounds_shared = bounds;
   auto layer = [&](int i, int mode, int variant) {
     bool pdl = mode > 0;
@@ -204,6 +223,23 @@ int main(int argc, char** argv) {
     int* pairs = cold ? cpairs[i % 16] : pairs_shared;
     int* bounds = cold ? cbounds[i % 16] : bounds_shared;
     bool cu_all = variant == 1, cu_gu = variant == 1 || variant == 2, cu_dn = variant == 1 || variant == 3;
+    // Variants 4-6: one stage of CubeCL's chain alone, as `gpu_kernels bench` times its stages (split + gate/up;
+    // down; combine), each call one stage.
+    if (variant >= 4) {
+      if (variant == 4) {
+        void* ps[] = {&xbf, &cxs, &isplit};
+        launch_cubin(c_split, dim3(14), dim3(256), pdl, st, ps);
+        void* pg[] = {&cxs, &gu.w, &gu.s, &e, &offsets, &pairs, &cy, &chs, &bounds, &imma};
+        launch_cubin(c_gu, dim3(GU_ROWS / 2 / 16 / 8, 8), dim3(32, 24), pdl, st, pg);
+      } else if (variant == 5) {
+        void* p[] = {&chs, &dn.w, &dn.s, &e, &offsets, &pairs, &cydn, &chs_dn, &bounds, &imma};
+        launch_cubin(mode == 2 ? c_dn_late : c_dn_entry, dim3(DN_ROWS / 16, 8), dim3(32, 2), pdl, st, p);
+      } else {
+        void* p[] = {&cydn, &wts, &cshared, &out, &icomb};
+        launch_cubin(c_comb, dim3((hidden + 255) / 256), dim3(256), pdl, st, p);
+      }
+      return;
+    }
     if (cu_all) {
       void* p[] = {&xbf, &cxs, &isplit};
       launch_cubin(c_split, dim3(14), dim3(256), pdl, st, p);
@@ -232,16 +268,17 @@ int main(int argc, char** argv) {
     }
   };
   const char* names[3] = {"plain", "pdl_start", "pdl_early"};
-  const char* vnames[4] = {"cuda", "cubecl", "cubecl_gate_up", "cubecl_down"};
+  const char* vnames[7] = {"cuda", "cubecl", "cubecl_gate_up", "cubecl_down", "cubecl_stage_split_gate_up",
+                           "cubecl_stage_down", "cubecl_stage_combine"};
   for (int round = 0; round < 2; round++) {
-   for (int variant = 0; variant < (cdir ? 4 : 1); variant++) {
+   for (int variant = 0; variant < (cdir ? 7 : 1); variant++) {
     for (int mode = 0; mode < 3; mode++) {
       CK(cudaMemcpyToSymbol(pdl_mode, &mode, sizeof(int)));
       for (int i = 0; i < 4; i++) layer(i, mode, variant);
       std::vector<float> samples;
       for (int r = 0; r < reps; r++) {
         CK(cudaStreamSynchronize(st));
-        CK(cudaEventRecord(t0, st)); CK(cudaMemcpyAsync(cb, ca, cbytes, cudaMemcpyDeviceToDevice, st));
+        CK(cudaEventRecord(t0, st)); copy();
         auto h0 = std::chrono::steady_clock::now();
         for (int i = 0; i < iters; i++) layer(i, mode, variant);
         double enq = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count();
@@ -330,6 +367,9 @@ def main():
     ap.add_argument("--cold-routing", action="store_true",
                     help="each of the 16 routings in buffers of its own (their first reads after the copy miss L2, "
                          "as in the engine's layer benchmark) instead of shared ones")
+    ap.add_argument("--kernel-copy", action="store_true",
+                    help="queue the layers behind a copy kernel launched with PDL (as the engine's benchmark does) "
+                         "instead of cudaMemcpyAsync")
     ap.add_argument("--pool", type=int, default=POOL,
                     help=f"experts each layer draws its 8 from (default {POOL}; Kimi-K2's layer has 384)")
     args = ap.parse_args()
@@ -351,7 +391,8 @@ def main():
         if built.returncode != 0:
             sys.exit(f"pdl_probe: nvcc failed:\n{built.stderr[-4000:]}")
         env = dict(os.environ, PDL_PROBE_MALLOC_ASYNC="1" if args.malloc_async else "0",
-                   PDL_PROBE_COLD_ROUTING="1" if args.cold_routing else "0")
+                   PDL_PROBE_COLD_ROUTING="1" if args.cold_routing else "0",
+                   PDL_PROBE_KERNEL_COPY="1" if args.kernel_copy else "0")
         ran = subprocess.run([exe] + cubins, capture_output=True, text=True, env=env)
         if ran.returncode != 0:
             sys.exit(f"pdl_probe: the probe failed (rc {ran.returncode}):\n{ran.stdout}{ran.stderr}")
@@ -363,9 +404,11 @@ def main():
             us = float(m.group(4))
             rows.append({"kernels": m.group(1), "mode": m.group(2), "round": int(m.group(3)),
                          "us": us if us >= 0 else None, "samples": int(m.group(5))})
-    print(f"copy bandwidth (cudaMemcpy D2D, read + write): {copy_gbs:.0f} GB/s; 8 experts a layer of {args.pool}")
+    how = "copy kernel with PDL" if args.kernel_copy else "cudaMemcpy D2D"
+    print(f"copy bandwidth ({how}, read + write): {copy_gbs:.0f} GB/s; 8 experts a layer of {args.pool}")
     print("kernels: cuda = route+split, gate/up kmma, down kmma, combine (plain CUDA); cubecl = CubeCL's split_x3, "
-          "gate/up, down, combine (its CUBINs); cubecl_gate_up / cubecl_down = that one CubeCL kernel among the CUDA ones")
+          "gate/up, down, combine (its CUBINs); cubecl_gate_up / cubecl_down = that one CubeCL kernel among the CUDA ones; "
+          "cubecl_stage_* = one stage of CubeCL's chain alone a call, as `gpu_kernels bench` times its stages")
     print("| kernels | launches | round | GPU us a layer | samples |")
     print("|---|---|---|---|---|")
     for r in rows:
@@ -374,7 +417,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "pool": args.pool, "malloc_async": args.malloc_async,
-                       "cold_routing": args.cold_routing, "cubins": cubins,
+                       "cold_routing": args.cold_routing, "kernel_copy": args.kernel_copy, "cubins": cubins,
                        "rows": rows}, f, indent=1)
 
 
