@@ -1,6 +1,6 @@
 # Session 29, prepared for the next lease (not run: the session's device time was spent): the layers queued behind a
 # copy *kernel* launched with PDL, as the engine's benchmark queues them (`--kernel-copy`), against cudaMemcpyAsync
-# (the probe's default). Session 29 found every stage of the engine's layer 4-6.5 us a call slower than the same
+# (the probe's default). Session 29 found every stage of the engine's layer 4.5-8 us a call slower than the same
 # CUBINs launched from the probe (bench/REPORT.md, "Session 29"); if the copy in front is the cause, the
 # `--kernel-copy` rows rise to the engine's (stage rows: split + gate/up ~44.9, down ~28, combine ~5 us a call).
 # CUBINs: `cargo xtask kernels --arch sm_90 --only "<label>" --dump DIR` for the four labels of `pdl_probe.CUBINS`,
