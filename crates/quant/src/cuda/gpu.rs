@@ -917,10 +917,6 @@ mod cuda_events {
         end: sys::CUevent,
     }
 
-    // SAFETY: the handles are plain driver handles, used from one thread at a time (`BehindCopy` is not `Sync`
-    // across a call) with their context made current first.
-    unsafe impl Send for Events {}
-
     impl Events {
         /// The events, or `None` when `client` is not CUDA's or the driver refuses (the host clock is used then).
         pub(super) fn new<R: Runtime>(client: &ComputeClient<R>, buf: &Handle) -> Option<Self> {
