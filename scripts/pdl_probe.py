@@ -378,6 +378,8 @@ def main():
         sys.exit("pdl_probe: nvcc not found (run it on the GPU machine)")
     if args.pool < USED:
         sys.exit(f"pdl_probe: --pool must be at least {USED}")
+    if args.cubecl_entry and not args.cubecl:
+        sys.exit("pdl_probe: --cubecl-entry needs --cubecl (the dump with the other three kernels)")
     cubins = cubin_args(args.cubecl, args.cubecl_entry or args.cubecl) if args.cubecl else []
     src = program(args.pool)
     if args.keep:
