@@ -126,7 +126,10 @@ template <typename T> static T* dev_random(size_t n, unsigned seed) {
 struct Side { uint4* w; unsigned short* s; uint4* xs; unsigned* out; int blocks, threads, ks; };
 
 int main(int argc, char** argv) {
-  const int hidden = HIDDEN, reps = 7, iters = 16;
+  const int hidden = HIDDEN, reps = 7;
+  // PDL_PROBE_ITERS: layers a sample (default 16); two counts give the per-layer slope, free of a fixed cost a sample.
+  const char* it_env = getenv("PDL_PROBE_ITERS");
+  const int iters = it_env ? atoi(it_env) : 16;
   // CubeCL's CUBINs or PTX (split, gate/up, down waiting at entry, down waiting late, combine), or none (plain CUDA).
   bool cdir = argc == 6;
   CK(cudaFree(0));  // the primary context, current for the driver calls too
@@ -370,6 +373,9 @@ def main():
     ap.add_argument("--kernel-copy", action="store_true",
                     help="queue the layers behind a copy kernel launched with PDL (as the engine's benchmark does) "
                          "instead of cudaMemcpyAsync")
+    ap.add_argument("--iters", type=int, default=16,
+                    help="layers queued behind the copy a sample (default 16): the per-layer figure is (copy + "
+                         "layers - copy alone) / iters, so two counts separate a fixed cost a sample from a layer's")
     ap.add_argument("--pool", type=int, default=POOL,
                     help=f"experts each layer draws its 8 from (default {POOL}; Kimi-K2's layer has 384)")
     args = ap.parse_args()
@@ -378,6 +384,8 @@ def main():
         sys.exit("pdl_probe: nvcc not found (run it on the GPU machine)")
     if args.pool < USED:
         sys.exit(f"pdl_probe: --pool must be at least {USED}")
+    if not 1 <= args.iters <= 64:
+        sys.exit(f"pdl_probe: --iters {args.iters}; it must be 1 to 64")
     if args.cubecl_entry and not args.cubecl:
         sys.exit("pdl_probe: --cubecl-entry needs --cubecl (the dump with the other three kernels)")
     cubins = cubin_args(args.cubecl, args.cubecl_entry or args.cubecl) if args.cubecl else []
@@ -394,7 +402,8 @@ def main():
             sys.exit(f"pdl_probe: nvcc failed:\n{built.stderr[-4000:]}")
         env = dict(os.environ, PDL_PROBE_MALLOC_ASYNC="1" if args.malloc_async else "0",
                    PDL_PROBE_COLD_ROUTING="1" if args.cold_routing else "0",
-                   PDL_PROBE_KERNEL_COPY="1" if args.kernel_copy else "0")
+                   PDL_PROBE_KERNEL_COPY="1" if args.kernel_copy else "0",
+                   PDL_PROBE_ITERS=str(args.iters))
         ran = subprocess.run([exe] + cubins, capture_output=True, text=True, env=env)
         if ran.returncode != 0:
             sys.exit(f"pdl_probe: the probe failed (rc {ran.returncode}):\n{ran.stdout}{ran.stderr}")
@@ -419,7 +428,8 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"copy_gbs": copy_gbs, "pool": args.pool, "malloc_async": args.malloc_async,
-                       "cold_routing": args.cold_routing, "kernel_copy": args.kernel_copy, "cubins": cubins,
+                       "cold_routing": args.cold_routing, "kernel_copy": args.kernel_copy, "iters": args.iters,
+                       "cubins": cubins,
                        "rows": rows}, f, indent=1)
 
 

@@ -54,7 +54,7 @@ fn main() -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
     if !check && !bench && !prefill && !stages && !profile {
         bail!(
-            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128] [--pool N] [--routings N] [--no-sweep]] [prefill [--m 512,2048,8192]] \
+            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128] [--pool N] [--routings N] [--calls 16[,32]] [--call-trace] [--subtract-copy] [--no-sweep]] [prefill [--m 512,2048,8192]] \
              [stages [--m 1,8] [--full] [--stage gate_up|down] [--loads]] [profile [--m 1] [--calls 20]]"
         );
     }
@@ -92,6 +92,21 @@ fn main() -> Result<()> {
     if !(1..=16).contains(&cycle) {
         bail!("--routings: {cycle}; it must be 1 to 16");
     }
+    // `bench`: calls queued behind the copy a GPU-time sample (default 16). With two or more counts each stage is
+    // timed at each, and the per-call slope between the first and the last is printed too: a cost paid once a sample
+    // (the copy's hand-over to the first call, say) adds F / calls to the plain figure but nothing to the slope.
+    let calls: Vec<usize> = match args.iter().position(|a| a == "--calls") {
+        Some(i) => args
+            .get(i + 1)
+            .context("--calls needs a list such as 8,32")?
+            .split(',')
+            .map(|v| v.parse().with_context(|| format!("--calls: {v:?} is not a call count")))
+            .collect::<Result<_>>()?,
+        None => vec![16],
+    };
+    if calls.iter().any(|&c| !(1..=64).contains(&c)) || calls.windows(2).any(|w| w[0] >= w[1]) {
+        bail!("--calls: {calls:?}; counts of 1 to 64, increasing");
+    }
     let client = R::client(&CudaDevice::default());
     if check && quick && !bench && !prefill {
         if run_checks(&client, None)? {
@@ -110,7 +125,9 @@ fn main() -> Result<()> {
     }
     if bench {
         let sweep = !args.iter().any(|a| a == "--no-sweep");
-        run_bench(&client, &kimi, &gpu_kimi, json.as_deref(), &ms, (pool, sweep, cycle))?;
+        let trace = args.iter().any(|a| a == "--call-trace");
+        let mid = !args.iter().any(|a| a == "--subtract-copy");
+        run_bench(&client, &kimi, &gpu_kimi, json.as_deref(), &ms, (pool, sweep, cycle, &calls, trace, mid))?;
     }
     if stages {
         let ms = if args.iter().any(|a| a == "--m") { ms.clone() } else { vec![1, 8] };
@@ -477,6 +494,10 @@ fn bench_inputs(client: &ComputeClient<R>, s: &MoeShape, m: usize, seed: u64, po
     Ok(BenchInputs { x, out, routings, active, max_tokens })
 }
 
+/// A stage's GPU time behind the copy: us a call at the first count of `--calls` on the events and on the host's
+/// clock, us a call at each count timed, and the slope between the first and last of those.
+type Behind = (f64, f64, Vec<(usize, f64)>, Option<f64>);
+
 /// Median of `v` (sorted in place).
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -508,7 +529,7 @@ fn run_bench(
     gpu: &GpuExperts<R>,
     json: Option<&str>,
     ms: &[usize],
-    (pool, sweep_shapes, cycle): (usize, bool, usize),
+    (pool, sweep_shapes, cycle, calls, call_trace, mid_event): (usize, bool, usize, &[usize], bool, bool),
 ) -> Result<()> {
     let s = kimi.shape();
     if pool < s.experts {
@@ -527,7 +548,12 @@ fn run_bench(
     drop((src, dst));
     println!("device-to-device copy (CubeCL kernel, 1 GiB, read + write bytes): {copy_gbs:.0} GB/s");
 
-    let behind = BehindCopy::new(client).map_err(anyhow::Error::msg)?;
+    let mut behind = BehindCopy::new(client).map_err(anyhow::Error::msg)?;
+    if !mid_event {
+        // `--subtract-copy`: the GPU-time columns as before session 30, (copy + calls - copy alone) / calls.
+        behind.set_mid_event(false);
+        println!("GPU times as (copy + calls - copy alone) / calls (--subtract-copy)");
+    }
     println!(
         "| m | active experts | us (wall) | GPU us (behind a copy) | bytes moved (MB) | GB/s (GPU) | % of copy BW (GPU; wall) | tokens/expert (max) |"
     );
@@ -558,33 +584,79 @@ fn run_bench(
         eprintln!("  m={m} fused split {:.1} us, separate split launch {:.1} us", ab[0], ab[1]);
         println!("(m = {m}: intermediate split fused into gate/up {:.1} us, as its own launch {:.1} us)", ab[0], ab[1]);
         let us = time_us(client, 16, 9, 32, |j| fwd(&cfg, Stages::All, j))?;
-        // 16 calls behind the copy, or 8 / 4 where the host's enqueue of 16 outlasts it (32 tokens and up with the
-        // default launch shape: `BehindCopy` refuses such a time).
-        let behind_us = |st: Stages| -> Result<(f64, f64)> {
+        // `calls[0]` calls behind the copy, or a half / a quarter of them where the host's enqueue outlasts it (32
+        // tokens and up with the default launch shape: `BehindCopy` refuses such a time).
+        let behind_at = |st: Stages, n: usize| -> Result<(f64, f64, usize)> {
             let mut last = String::new();
-            for calls in [16, 8, 4] {
-                match behind.time_us_clocks(client, 16, calls, |j| fwd(&cfg, st, j)) {
-                    Ok(t) => return Ok(t),
+            for c in [n, n / 2, n / 4] {
+                if c == 0 {
+                    break;
+                }
+                match behind.time_us_clocks(client, 16, c, |j| fwd(&cfg, st, j)) {
+                    Ok((gpu, host)) => return Ok((gpu, host, c)),
                     Err(e) => last = e,
                 }
             }
             Err(anyhow::Error::msg(last))
         };
-        let (gpu_us, host_clock_us) = behind_us(Stages::All)?;
+        // Every count of `calls` for one stage: the first count's figures, and the per-call slope between the first
+        // and the last count actually timed (None with one count, or where both fell back to the same).
+        let behind_us = |st: Stages| -> Result<Behind> {
+            let (gpu, host, c0) = behind_at(st, calls[0])?;
+            let mut by = vec![(c0, gpu)];
+            for &n in &calls[1..] {
+                let (g, _, c) = behind_at(st, n)?;
+                if c > by.last().map_or(0, |b| b.0) {
+                    by.push((c, g));
+                }
+            }
+            let slope = (by.len() > 1).then(|| {
+                let ((a, ua), (b, ub)) = (by[0], by[by.len() - 1]);
+                (ub * b as f64 - ua * a as f64) / (b - a) as f64
+            });
+            Ok((gpu, host, by, slope))
+        };
+        let (gpu_us, host_clock_us, gpu_by_calls, gpu_slope) = behind_us(Stages::All)?;
         if behind.gpu_clock() {
             println!(
                 "(m = {m}: GPU us on CUDA events {gpu_us:.1}; the same runs on the host clock, to the device sync's \
                  return, {host_clock_us:.1})"
             );
         }
-        let stage_us: Vec<f64> = [Stages::GateUp, Stages::Down, Stages::Combine]
-            .into_iter()
-            .map(|st| behind_us(st).map(|t| t.0))
-            .collect::<Result<_>>()?;
-        eprintln!(
-            "  m={m} best {cfg:?}: {us:.1} us wall, {gpu_us:.1} us GPU; GPU gate/up {:.1}, down {:.1}, combine {:.1}",
-            stage_us[0], stage_us[1], stage_us[2]
-        );
+        let stages_timed: Vec<Behind> =
+            [Stages::GateUp, Stages::Down, Stages::Combine].into_iter().map(behind_us).collect::<Result<_>>()?;
+        let stage_us: Vec<f64> = stages_timed.iter().map(|t| t.0).collect();
+        if let Some(slope) = gpu_slope {
+            let fmt = |by: &[(usize, f64)], sl: Option<f64>| {
+                let at: Vec<String> = by.iter().map(|(c, u)| format!("{u:.1} at {c}")).collect();
+                format!("{}; slope {}", at.join(", "), fmt_us(sl))
+            };
+            println!(
+                "(m = {m}: GPU us a call by calls behind the copy, and the slope between the first and last count \
+                 (a call's cost without what a sample pays once): layer {}; gate/up {}; down {}; combine {})",
+                fmt(&gpu_by_calls, Some(slope)),
+                fmt(&stages_timed[0].2, stages_timed[0].3),
+                fmt(&stages_timed[1].2, stages_timed[1].3),
+                fmt(&stages_timed[2].2, stages_timed[2].3)
+            );
+        }
+        // `--call-trace`: an event after the copy and after each layer call (the last count of `--calls`).
+        let traced = if call_trace {
+            let n = calls[calls.len() - 1];
+            let t = behind.call_times(client, 16, n, |j| fwd(&cfg, Stages::All, j)).map_err(anyhow::Error::msg)?;
+            if let Some(t) = &t {
+                let each: Vec<String> = t[1..].iter().map(|u| format!("{u:.1}")).collect();
+                println!(
+                    "(m = {m}: call trace, an event after the copy and after each of {n} layer calls, GPU us: the copy \
+                     {:+.1} against its time alone; the calls {})",
+                    t[0],
+                    each.join(" ")
+                );
+            }
+            t
+        } else {
+            None
+        };
         let mean_active = active.iter().sum::<usize>() as f64 / active.len() as f64;
         // Bytes that must move: the routed experts' packed weights and scales, the input and the output.
         let bytes = mean_active * s.expert_bytes() as f64 + (m * s.hidden * (2 + 4)) as f64;
@@ -604,6 +676,10 @@ fn run_bench(
             "config": format!("{cfg:?}"),
             "gpu_stage_us": {"gate_up": stage_us[0], "down": stage_us[1], "combine": stage_us[2]},
             "fused_split_us": ab[0], "separate_split_us": ab[1],
+            "gpu_us_by_calls": gpu_by_calls.iter().map(|(c, u)| serde_json::json!({"calls": c, "us": u})).collect::<Vec<_>>(),
+            "gpu_slope_us": gpu_slope,
+            "call_trace_us": traced,
+            "gpu_stage_slope_us": {"gate_up": stages_timed[0].3, "down": stages_timed[1].3, "combine": stages_timed[2].3},
         }));
         drop::<(Handle, Handle)>((x, out));
     }
@@ -611,8 +687,9 @@ fn run_bench(
         let doc = serde_json::json!({
             "what": "fused INT4 W4A16 MoE layer (eyrie-quant CubeCL kernels: gate+up+SiLU, down, combine)",
             "shape": {"hidden": s.hidden, "inter": s.inter, "experts": s.experts, "group": s.group, "topk": TOPK},
-            "timing": "us: wall clock over 32 calls between device syncs, median of 9 batches, routings_cycled of 16 routings cycled; launch shape: fastest of a sweep (config). gpu_us, gpu_stage_us: 16 calls queued behind a 2 GiB copy (8 or 4 where the host's enqueue of 16 outlasts it), (copy + calls - copy) / calls, medians of 7 (the GPU's own time, host enqueue hidden; on CUDA between two CUDA events, gpu_host_clock_us the same runs to the device sync's return)",
+            "timing": "us: wall clock over 32 calls between device syncs, median of 9 batches, routings_cycled of 16 routings cycled; launch shape: fastest of a sweep (config). gpu_us, gpu_stage_us: calls (--calls, first count; default 16) queued behind a 2 GiB copy (a half or a quarter as many where the host's enqueue outlasts it), medians of 7 (the GPU's own time, host enqueue hidden; on CUDA between a CUDA event after the copy and one after the calls, / calls (subtract_copy: before the copy, less the copy alone, as before session 30); gpu_host_clock_us the same runs to the device sync's return); gpu_us_by_calls, gpu_slope_us, gpu_stage_slope_us with two or more --calls counts: each count's figure and the per-call slope between the first and the last ((us_b * b - us_a * a) / (b - a): what a call costs without a cost paid once a sample)",
             "gpu_clock": if behind.gpu_clock() { "cuda events" } else { "host" },
+            "subtract_copy": !mid_event,
             "routings_cycled": cycle, "expert_pool": pool,
             "copy_gb_per_s": copy_gbs,
             "rows": rows,

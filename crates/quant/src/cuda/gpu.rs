@@ -760,15 +760,21 @@ pub fn copy_bandwidth<R: Runtime>(client: &ComputeClient<R>) -> Result<f64, Stri
     Ok(8.0 * floats as f64 / best)
 }
 
-/// GPU time per call, hidden from the host: a 2 GiB copy is queued first, then `iters` calls, and the time of
-/// (copy + calls) less the copy's own, medians of 7, is divided by `iters`. The host's enqueue of the calls (~10 us a
-/// launch through CubeCL, longer than short kernels, which a wall clock over back-to-back calls would measure
-/// instead) runs while the GPU copies. The benchmark programs' GPU-time columns.
+/// GPU time per call, hidden from the host: a 2 GiB copy is queued first, then `iters` calls, medians of 7, divided
+/// by `iters`. The host's enqueue of the calls (~5-10 us a launch through CubeCL, longer than short kernels, which a
+/// wall clock over back-to-back calls would measure instead) runs while the GPU copies. The benchmark programs'
+/// GPU-time columns.
 ///
-/// On CUDA the time is the GPU's own, between two CUDA events on CubeCL's stream (one recorded before the copy, one
-/// after the last call); elsewhere, and where the events cannot be made, it is the host's clock from before the
-/// copy's enqueue to the return of the device sync after the calls. Session 29 measured both on the one-token MoE
-/// layer: within 0.3 us a call of each other (bench/REPORT.md), so figures from before the events stand.
+/// On CUDA the time is the GPU's own, between CUDA events on CubeCL's stream: by default one recorded between the
+/// copy and the first call and one after the last call. Before session 30 it was (an event before the copy to the one
+/// after the calls) less the copy's time alone ([`Self::set_mid_event`]`(false)`, kept for comparisons), which in
+/// this process carries a fixed ~45-75 us a sample when the calls follow CubeCL's copy kernel directly (with or
+/// without programmatic dependent launch; not in the plain-CUDA probe, cause not established): F / iters too much
+/// on every call, 3-4 us at 16 calls (bench/REPORT.md, session 30). The event between costs ~10 us once a sample (the
+/// first call starts cold, without programmatic dependent launch from the copy): ~0.6 us a call at 16 calls over the
+/// slope between 8 and 32 calls, which is free of any cost paid once.
+/// Elsewhere, and where the events cannot be made, the time is the host's clock from before the copy's enqueue to
+/// the return of the device sync after the calls, less the copy's time alone.
 #[derive(Debug)]
 pub struct BehindCopy {
     src: Handle,
@@ -777,6 +783,7 @@ pub struct BehindCopy {
     copy_s: f64,
     copy_host_s: f64,
     events: Option<cuda_events::Events>,
+    mid: bool,
 }
 
 impl BehindCopy {
@@ -788,9 +795,15 @@ impl BehindCopy {
         let floats = 1usize << 29;
         let (src, dst) = (client.empty(floats * 4), client.empty(floats * 4));
         let events = cuda_events::Events::new(client, &src);
-        let mut me = Self { src, dst, floats, copy_s: 0.0, copy_host_s: 0.0, events };
+        let mut me = Self { src, dst, floats, copy_s: 0.0, copy_host_s: 0.0, events, mid: true };
         (me.copy_s, me.copy_host_s, _) = me.median7(client, 0, |_| {})?;
         Ok(me)
+    }
+
+    /// With `on` (the default; CUDA events only) an event recorded between the copy and the calls, the GPU time the
+    /// calls' alone (the last event less it); off, (copy + calls) less the copy's time alone, as before session 30.
+    pub fn set_mid_event(&mut self, on: bool) {
+        self.mid = on;
     }
 
     /// Whether the times are the GPU's own (CUDA events) rather than the host's clock.
@@ -815,6 +828,13 @@ impl BehindCopy {
             }
             let t0 = std::time::Instant::now();
             copy_f32(client, &self.src, &self.dst, self.floats);
+            let mid = match &self.events {
+                Some(ev) if self.mid && iters > 0 => {
+                    ev.record_mark(client, &self.src, 0)?;
+                    true
+                }
+                _ => false,
+            };
             let t1 = std::time::Instant::now();
             for i in 0..iters {
                 f(r * iters + i);
@@ -828,6 +848,8 @@ impl BehindCopy {
             let wall = t0.elapsed().as_secs_f64();
             host.push(wall);
             t.push(match (gpu, &self.events) {
+                // The copy's time alone added back, so that callers subtract it as from the other figures.
+                (Some(()), Some(ev)) if mid => ev.elapsed_s()? - ev.mark_s(0)? + self.copy_s,
                 (Some(()), Some(ev)) => ev.elapsed_s()?,
                 _ => wall,
             });
@@ -881,6 +903,56 @@ impl BehindCopy {
     }
 }
 
+impl BehindCopy {
+    /// Where the GPU time of `iters` calls behind the copy goes, call by call: a CUDA event after the copy and after
+    /// each call (each a break in programmatic dependent launch, so the calls here run a little slower than
+    /// [`Self::time_us`]'s), medians of 7 after `warm` calls. Returns the copy's time in this run less the copy's
+    /// alone, then each call's: microseconds, `iters + 1` values. `None` without CUDA events.
+    ///
+    /// # Errors
+    /// A message when a device sync or an event fails.
+    pub fn call_times<R: Runtime>(
+        &self,
+        client: &ComputeClient<R>,
+        warm: usize,
+        iters: usize,
+        mut f: impl FnMut(usize),
+    ) -> Result<Option<Vec<f64>>, String> {
+        let Some(ev) = &self.events else { return Ok(None) };
+        for i in 0..warm {
+            f(i);
+        }
+        let sync = || cubecl::future::block_on(client.sync()).map_err(|e| format!("device sync: {e:?}"));
+        let mut samples: Vec<Vec<f64>> = vec![Vec::with_capacity(7); iters + 1];
+        for r in 0..7 {
+            sync()?;
+            ev.record_start()?;
+            copy_f32(client, &self.src, &self.dst, self.floats);
+            ev.record_mark(client, &self.src, 0)?;
+            for i in 0..iters {
+                f(r * iters + i);
+                ev.record_mark(client, &self.src, i + 1)?;
+            }
+            sync()?;
+            let mut last = 0.0;
+            for (k, v) in samples.iter_mut().enumerate() {
+                let t = ev.mark_s(k)?;
+                v.push(if k == 0 { t - self.copy_s } else { t - last });
+                last = t;
+            }
+        }
+        Ok(Some(
+            samples
+                .into_iter()
+                .map(|mut v| {
+                    v.sort_by(f64::total_cmp);
+                    v[3] * 1e6
+                })
+                .collect(),
+        ))
+    }
+}
+
 /// Copies `floats` f32 (a multiple of 1024) from `src` to `dst` on the device.
 pub fn copy_f32<R: Runtime>(client: &ComputeClient<R>, src: &Handle, dst: &Handle, floats: usize) {
     assert!(floats.is_multiple_of(1024), "copy length must be a multiple of 1024 floats");
@@ -915,6 +987,8 @@ mod cuda_events {
         stream: sys::CUstream,
         start: sys::CUevent,
         end: sys::CUevent,
+        /// Events recorded between calls by [`super::BehindCopy::call_times`], made on first use.
+        marks: std::cell::RefCell<Vec<sys::CUevent>>,
     }
 
     impl Events {
@@ -935,7 +1009,7 @@ mod cuda_events {
                 let _ = unsafe { result::event::destroy(start) };
                 return None;
             };
-            Some(Self { ctx, stream, start, end })
+            Some(Self { ctx, stream, start, end, marks: std::cell::RefCell::new(Vec::new()) })
         }
 
         fn current(&self) -> Result<(), String> {
@@ -959,6 +1033,39 @@ mod cuda_events {
             unsafe { result::event::record(self.end, self.stream) }.map_err(|e| format!("CUDA event: {e}"))
         }
 
+        /// Records mark `i` after everything enqueued so far (as [`Self::record_end`]), making marks up to `i`.
+        pub(super) fn record_mark<R: Runtime>(
+            &self,
+            client: &ComputeClient<R>,
+            buf: &Handle,
+            i: usize,
+        ) -> Result<(), String> {
+            client.get_resource(buf.clone()).map_err(|e| format!("device memory: {e:?}"))?;
+            self.current()?;
+            let mut marks = self.marks.borrow_mut();
+            while marks.len() <= i {
+                marks.push(
+                    result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT)
+                        .map_err(|e| format!("CUDA event: {e}"))?,
+                );
+            }
+            // SAFETY: live event and stream of the current context.
+            unsafe { result::event::record(marks[i], self.stream) }.map_err(|e| format!("CUDA event: {e}"))
+        }
+
+        /// Seconds from the start to mark `i` (recorded; waits for it).
+        pub(super) fn mark_s(&self, i: usize) -> Result<f64, String> {
+            self.current()?;
+            let marks = self.marks.borrow();
+            let mark = *marks.get(i).ok_or_else(|| format!("CUDA event: mark {i} was never recorded"))?;
+            // SAFETY: both recorded on one stream of the current context.
+            let ms = unsafe {
+                result::event::synchronize(mark).map_err(|e| format!("CUDA event: {e}"))?;
+                result::event::elapsed(self.start, mark).map_err(|e| format!("CUDA event: {e}"))?
+            };
+            Ok(f64::from(ms) * 1e-3)
+        }
+
         /// Seconds between the two events (waits for the end).
         pub(super) fn elapsed_s(&self) -> Result<f64, String> {
             self.current()?;
@@ -978,6 +1085,9 @@ mod cuda_events {
                 unsafe {
                     let _ = result::event::destroy(self.start);
                     let _ = result::event::destroy(self.end);
+                    for &m in self.marks.borrow().iter() {
+                        let _ = result::event::destroy(m);
+                    }
                 }
             }
         }
