@@ -54,7 +54,7 @@ fn main() -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
     if !check && !bench && !prefill && !stages && !profile {
         bail!(
-            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128] [--pool N] [--routings N] [--calls 16[,32]] [--call-trace] [--subtract-copy] [--no-sweep]] [prefill [--m 512,2048,8192]] \
+            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128] [--pool N] [--routings N] [--calls 16[,32]] [--call-trace] [--subtract-copy] [--driver-copy] [--no-sweep]] [prefill [--m 512,2048,8192]] \
              [stages [--m 1,8] [--full] [--stage gate_up|down] [--loads]] [profile [--m 1] [--calls 20]]"
         );
     }
@@ -127,7 +127,15 @@ fn main() -> Result<()> {
         let sweep = !args.iter().any(|a| a == "--no-sweep");
         let trace = args.iter().any(|a| a == "--call-trace");
         let mid = !args.iter().any(|a| a == "--subtract-copy");
-        run_bench(&client, &kimi, &gpu_kimi, json.as_deref(), &ms, (pool, sweep, cycle, &calls, trace, mid))?;
+        let driver_copy = args.iter().any(|a| a == "--driver-copy");
+        run_bench(
+            &client,
+            &kimi,
+            &gpu_kimi,
+            json.as_deref(),
+            &ms,
+            (pool, sweep, cycle, &calls, (trace, mid, driver_copy)),
+        )?;
     }
     if stages {
         let ms = if args.iter().any(|a| a == "--m") { ms.clone() } else { vec![1, 8] };
@@ -529,7 +537,13 @@ fn run_bench(
     gpu: &GpuExperts<R>,
     json: Option<&str>,
     ms: &[usize],
-    (pool, sweep_shapes, cycle, calls, call_trace, mid_event): (usize, bool, usize, &[usize], bool, bool),
+    (pool, sweep_shapes, cycle, calls, (call_trace, mid_event, driver_copy)): (
+        usize,
+        bool,
+        usize,
+        &[usize],
+        (bool, bool, bool),
+    ),
 ) -> Result<()> {
     let s = kimi.shape();
     if pool < s.experts {
@@ -553,6 +567,11 @@ fn run_bench(
         // `--subtract-copy`: the GPU-time columns as before session 30, (copy + calls - copy alone) / calls.
         behind.set_mid_event(false);
         println!("GPU times as (copy + calls - copy alone) / calls (--subtract-copy)");
+    }
+    if driver_copy {
+        // `--driver-copy`: the copy in front is cuMemcpyDtoDAsync, not CubeCL's copy kernel.
+        behind.set_driver_copy(client, true).map_err(anyhow::Error::msg)?;
+        println!("the calls queue behind the driver's device-to-device copy (--driver-copy)");
     }
     println!(
         "| m | active experts | us (wall) | GPU us (behind a copy) | bytes moved (MB) | GB/s (GPU) | % of copy BW (GPU; wall) | tokens/expert (max) |"
@@ -690,6 +709,7 @@ fn run_bench(
             "timing": "us: wall clock over 32 calls between device syncs, median of 9 batches, routings_cycled of 16 routings cycled; launch shape: fastest of a sweep (config). gpu_us, gpu_stage_us: calls (--calls, first count; default 16) queued behind a 2 GiB copy (a half or a quarter as many where the host's enqueue outlasts it), medians of 7 (the GPU's own time, host enqueue hidden; on CUDA between a CUDA event after the copy and one after the calls, / calls (subtract_copy: before the copy, less the copy alone, as before session 30); gpu_host_clock_us the same runs to the device sync's return); gpu_us_by_calls, gpu_slope_us, gpu_stage_slope_us with two or more --calls counts: each count's figure and the per-call slope between the first and the last ((us_b * b - us_a * a) / (b - a): what a call costs without a cost paid once a sample)",
             "gpu_clock": if behind.gpu_clock() { "cuda events" } else { "host" },
             "subtract_copy": !mid_event,
+            "driver_copy": driver_copy,
             "routings_cycled": cycle, "expert_pool": pool,
             "copy_gb_per_s": copy_gbs,
             "rows": rows,

@@ -768,9 +768,10 @@ pub fn copy_bandwidth<R: Runtime>(client: &ComputeClient<R>) -> Result<f64, Stri
 /// On CUDA the time is the GPU's own, between CUDA events on CubeCL's stream: by default one recorded between the
 /// copy and the first call and one after the last call. Before session 30 it was (an event before the copy to the one
 /// after the calls) less the copy's time alone ([`Self::set_mid_event`]`(false)`, kept for comparisons), which in
-/// this process carries a fixed ~45-75 us a sample when the calls follow CubeCL's copy kernel directly (with or
-/// without programmatic dependent launch; not in the plain-CUDA probe, cause not established): F / iters too much
-/// on every call, 3-4 us at 16 calls (bench/REPORT.md, session 30). The event between costs ~10 us once a sample (the
+/// this process carries a fixed ~45-120 us a sample when the calls follow CubeCL's copy kernel directly (with or
+/// without programmatic dependent launch; not behind the driver's copy, [`Self::set_driver_copy`], nor in the
+/// plain-CUDA probe; why, not established): F / iters too much on every call, 3-7 us at 16 calls (bench/REPORT.md,
+/// session 30). The event between costs ~10 us once a sample (the
 /// first call starts cold, without programmatic dependent launch from the copy): ~0.6 us a call at 16 calls over the
 /// slope between 8 and 32 calls, which is free of any cost paid once.
 /// Elsewhere, and where the events cannot be made, the time is the host's clock from before the copy's enqueue to
@@ -784,6 +785,7 @@ pub struct BehindCopy {
     copy_host_s: f64,
     events: Option<cuda_events::Events>,
     mid: bool,
+    driver_copy: bool,
 }
 
 impl BehindCopy {
@@ -795,7 +797,7 @@ impl BehindCopy {
         let floats = 1usize << 29;
         let (src, dst) = (client.empty(floats * 4), client.empty(floats * 4));
         let events = cuda_events::Events::new(client, &src);
-        let mut me = Self { src, dst, floats, copy_s: 0.0, copy_host_s: 0.0, events, mid: true };
+        let mut me = Self { src, dst, floats, copy_s: 0.0, copy_host_s: 0.0, events, mid: true, driver_copy: false };
         (me.copy_s, me.copy_host_s, _) = me.median7(client, 0, |_| {})?;
         Ok(me)
     }
@@ -804,6 +806,29 @@ impl BehindCopy {
     /// calls' alone (the last event less it); off, (copy + calls) less the copy's time alone, as before session 30.
     pub fn set_mid_event(&mut self, on: bool) {
         self.mid = on;
+    }
+
+    /// With `on` (CUDA events only), the copy in front is the driver's `cuMemcpyDtoDAsync` on CubeCL's stream instead
+    /// of CubeCL's copy kernel, and the copy's time alone is measured anew that way (for comparisons: session 30's
+    /// fixed cost a sample appeared behind the kernel).
+    ///
+    /// # Errors
+    /// A message when a device sync fails while the copy is timed anew.
+    pub fn set_driver_copy<R: Runtime>(&mut self, client: &ComputeClient<R>, on: bool) -> Result<(), String> {
+        self.driver_copy = on && self.events.is_some();
+        (self.copy_s, self.copy_host_s, _) = self.median7(client, 0, |_| {})?;
+        Ok(())
+    }
+
+    /// The copy in front of the calls: CubeCL's copy kernel, or the driver's (see [`Self::set_driver_copy`]).
+    fn copy<R: Runtime>(&self, client: &ComputeClient<R>) -> Result<(), String> {
+        match &self.events {
+            Some(ev) if self.driver_copy => ev.copy_dtod(client, &self.src, &self.dst, self.floats * 4),
+            _ => {
+                copy_f32(client, &self.src, &self.dst, self.floats);
+                Ok(())
+            }
+        }
     }
 
     /// Whether the times are the GPU's own (CUDA events) rather than the host's clock.
@@ -827,7 +852,7 @@ impl BehindCopy {
                 ev.record_start()?;
             }
             let t0 = std::time::Instant::now();
-            copy_f32(client, &self.src, &self.dst, self.floats);
+            self.copy(client)?;
             let mid = match &self.events {
                 Some(ev) if self.mid && iters > 0 => {
                     ev.record_mark(client, &self.src, 0)?;
@@ -927,7 +952,7 @@ impl BehindCopy {
         for r in 0..7 {
             sync()?;
             ev.record_start()?;
-            copy_f32(client, &self.src, &self.dst, self.floats);
+            self.copy(client)?;
             ev.record_mark(client, &self.src, 0)?;
             for i in 0..iters {
                 f(r * iters + i);
@@ -1031,6 +1056,26 @@ mod cuda_events {
             self.current()?;
             // SAFETY: live event and stream of the current context.
             unsafe { result::event::record(self.end, self.stream) }.map_err(|e| format!("CUDA event: {e}"))
+        }
+
+        /// `bytes` from `src` to `dst` by the driver's copy on the stream, after everything enqueued so far.
+        pub(super) fn copy_dtod<R: Runtime>(
+            &self,
+            client: &ComputeClient<R>,
+            src: &Handle,
+            dst: &Handle,
+            bytes: usize,
+        ) -> Result<(), String> {
+            let client = (client as &dyn std::any::Any)
+                .downcast_ref::<ComputeClient<CudaRuntime>>()
+                .ok_or("the driver's copy needs the CUDA runtime")?;
+            let ptr = |h: &Handle| {
+                client.get_resource(h.clone()).map(|r| r.resource().ptr).map_err(|e| format!("device memory: {e:?}"))
+            };
+            let (s, d) = (ptr(src)?, ptr(dst)?);
+            self.current()?;
+            // SAFETY: both buffers hold `bytes` (the caller's), live on the current context; the stream orders the copy.
+            unsafe { result::memcpy_dtod_async(d, s, bytes, self.stream) }.map_err(|e| format!("CUDA copy: {e}"))
         }
 
         /// Records mark `i` after everything enqueued so far (as [`Self::record_end`]), making marks up to `i`.
