@@ -1,3 +1,4 @@
+# Run in session 30 as part of bench/s30_run1 (the `--kernel-copy` rows there: 61.2-61.7 us, as behind cudaMemcpyAsync).
 # Session 29, prepared for the next lease (not run: the session's device time was spent): the layers queued behind a
 # copy *kernel* launched with PDL, as the engine's benchmark queues them (`--kernel-copy`), against cudaMemcpyAsync
 # (the probe's default). Session 29 found every stage of the engine's layer 4.5-8 us a call slower than the same
