@@ -58,15 +58,7 @@ fn main() -> Result<()> {
              [stages [--m 1,8] [--full] [--stage gate_up|down] [--loads]] [profile [--m 1] [--calls 20]]"
         );
     }
-    let ms: Vec<usize> = match args.iter().position(|a| a == "--m") {
-        Some(i) => args
-            .get(i + 1)
-            .context("--m needs a list such as 1,8")?
-            .split(',')
-            .map(|v| v.parse().with_context(|| format!("--m: {v:?} is not a token count")))
-            .collect::<Result<_>>()?,
-        None => vec![1, 8, 32, 128],
-    };
+    let ms = usize_list(&args, "--m", "1,8", "a token count")?.unwrap_or_else(|| vec![1, 8, 32, 128]);
     if ms.contains(&0) {
         bail!("--m: token counts must be at least 1");
     }
@@ -95,15 +87,9 @@ fn main() -> Result<()> {
     // `bench`: calls queued behind the copy a GPU-time sample (default 16). With two or more counts each stage is
     // timed at each, and the per-call slope between the first and the last is printed too: a cost paid once a sample
     // (the copy's hand-over to the first call, say) adds F / calls to the plain figure but nothing to the slope.
-    let calls: Vec<usize> = match args.iter().position(|a| a == "--calls") {
-        Some(i) => args
-            .get(i + 1)
-            .context("--calls needs a list such as 8,32")?
-            .split(',')
-            .map(|v| v.parse().with_context(|| format!("--calls: {v:?} is not a call count")))
-            .collect::<Result<_>>()?,
-        None => vec![16],
-    };
+    // (`profile --calls N` is profile's own count.)
+    let calls = if bench { usize_list(&args, "--calls", "8,32", "a call count")? } else { None };
+    let calls = calls.unwrap_or_else(|| vec![16]);
     if calls.iter().any(|&c| !(1..=64).contains(&c)) || calls.windows(2).any(|w| w[0] >= w[1]) {
         bail!("--calls: {calls:?}; counts of 1 to 64, increasing");
     }
@@ -500,6 +486,16 @@ fn bench_inputs(client: &ComputeClient<R>, s: &MoeShape, m: usize, seed: u64, po
         routings.push(GpuRouting::upload(client, &r, &weights));
     }
     Ok(BenchInputs { x, out, routings, active, max_tokens })
+}
+
+/// The comma-separated counts after `flag` (`example` shows the form, `what` names one), or `None` without it.
+fn usize_list(args: &[String], flag: &str, example: &str, what: &str) -> Result<Option<Vec<usize>>> {
+    let Some(i) = args.iter().position(|a| a == flag) else { return Ok(None) };
+    let list = args.get(i + 1).with_context(|| format!("{flag} needs a list such as {example}"))?;
+    list.split(',')
+        .map(|v| v.parse().with_context(|| format!("{flag}: {v:?} is not {what}")))
+        .collect::<Result<_>>()
+        .map(Some)
 }
 
 /// A stage's GPU time behind the copy: us a call at the first count of `--calls` on the events and on the host's
