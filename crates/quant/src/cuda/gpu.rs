@@ -768,10 +768,11 @@ pub fn copy_bandwidth<R: Runtime>(client: &ComputeClient<R>) -> Result<f64, Stri
 /// On CUDA the time is the GPU's own, between CUDA events on CubeCL's stream: by default one recorded between the
 /// copy and the first call and one after the last call. Before session 30 it was (an event before the copy to the one
 /// after the calls) less the copy's time alone ([`Self::set_mid_event`]`(false)`, kept for comparisons), which in
-/// this process carries a fixed ~45-120 us a sample when the calls follow CubeCL's copy kernel directly (with or
-/// without programmatic dependent launch; not behind the driver's copy, [`Self::set_driver_copy`], nor in the
-/// plain-CUDA probe; why, not established): F / iters too much on every call, 3-7 us at 16 calls (bench/REPORT.md,
-/// session 30). The event between costs ~10 us once a sample (the
+/// this process carries a fixed ~45-120 us a sample when the calls follow CubeCL's copy kernel directly: CubeCL's
+/// client queues tasks 32 at a time and its device thread takes them only when the batch is full or at a blocking
+/// call, so the copy reached the stream ~31 tasks after the start event (not behind the driver's copy,
+/// [`Self::set_driver_copy`], which bypasses that queue): F / iters too much on every call, 3-7 us at 16 calls
+/// (bench/REPORT.md, session 30). The mid event's `get_resource` flushes the queue first. The event between costs ~10 us once a sample (the
 /// first call starts cold, without programmatic dependent launch from the copy): ~0.6 us a call at 16 calls over the
 /// slope between 8 and 32 calls, which is free of any cost paid once.
 /// Elsewhere, and where the events cannot be made, the time is the host's clock from before the copy's enqueue to
