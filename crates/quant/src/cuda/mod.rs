@@ -39,6 +39,8 @@ pub mod sampling;
 #[cfg(feature = "cuda")]
 pub mod attention_merge;
 #[cfg(feature = "cuda")]
+pub mod behind_copy;
+#[cfg(feature = "cuda")]
 pub mod gpu;
 #[cfg(feature = "cuda")]
 mod kernels;
@@ -59,7 +61,9 @@ pub use experts::{KernelLayout, MoeExperts, MoeShape, Routing, SplitMix64};
 pub use reference::{Dequant, Mismatch, moe_reference};
 
 #[cfg(feature = "cuda")]
+pub use behind_copy::{BehindCopy, copy_bandwidth, copy_f32};
+#[cfg(feature = "cuda")]
 pub use gpu::{
-    BehindCopy, GpuExperts, GpuRouting, MmaShape, MoeConfig, RoutingReadback, Stages, copy_bandwidth, copy_f32,
-    fused_split, moe_forward, moe_forward_add, moe_forward_with, set_fused_split,
+    GpuExperts, GpuRouting, MmaShape, MoeConfig, RoutingReadback, Stages, fused_split, moe_forward, moe_forward_add,
+    moe_forward_with, set_fused_split,
 };
