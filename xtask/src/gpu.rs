@@ -107,10 +107,12 @@ pub fn gpu_test(root: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The device command of `cargo xtask bench kernels`, writing into `$OUT` (or `bench/` when run here).
+/// The device command of `cargo xtask bench kernels`, writing into `$OUT` (or `bench/` when run here). The MoE
+/// layer at the launch shapes the engine uses (`--no-sweep`: a sweep's fastest shape, picked by wall clock, is not
+/// what serving runs), its GPU time at 16 and 32 calls behind the copy and their slope (session 30).
 pub fn bench_command(out: &str) -> String {
     format!(
-        "./{DIR}/gpu_kernels bench --json {out}/kernels.json && \
+        "./{DIR}/gpu_kernels bench --no-sweep --calls 16,32 --json {out}/kernels.json && \
          ./{DIR}/gpu_kernels prefill --json {out}/kernels_prefill.json && \
          python3 scripts/bench_kernels_peer.py --out {out}/kernels_peer.json && \
          python3 scripts/bench_kernels_peer.py --merge {out}/kernels.json {out}/kernels_peer.json && \
