@@ -54,7 +54,7 @@ fn main() -> Result<()> {
     let quick = args.iter().any(|a| a == "--quick");
     if !check && !bench && !prefill && !stages && !profile {
         bail!(
-            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128] [--pool N] [--routings N] [--calls 16[,32]] [--call-trace] [--subtract-copy] [--driver-copy] [--no-sweep]] [prefill [--m 512,2048,8192]] \
+            "usage: gpu_kernels [check [--quick]] [bench [--json FILE] [--m 1,8,32,128] [--pool N] [--routings N] [--calls 16[,32]] [--call-trace] [--subtract-copy] [--driver-copy] [--flush-after-copy] [--no-sweep]] [prefill [--m 512,2048,8192]] \
              [stages [--m 1,8] [--full] [--stage gate_up|down] [--loads]] [profile [--m 1] [--calls 20]]"
         );
     }
@@ -114,13 +114,14 @@ fn main() -> Result<()> {
         let trace = args.iter().any(|a| a == "--call-trace");
         let mid = !args.iter().any(|a| a == "--subtract-copy");
         let driver_copy = args.iter().any(|a| a == "--driver-copy");
+        let flush_after_copy = args.iter().any(|a| a == "--flush-after-copy");
         run_bench(
             &client,
             &kimi,
             &gpu_kimi,
             json.as_deref(),
             &ms,
-            (pool, sweep, cycle, &calls, (trace, mid, driver_copy)),
+            &BenchOpts { pool, sweep, cycle, calls, call_trace: trace, mid_event: mid, driver_copy, flush_after_copy },
         )?;
     }
     if stages {
@@ -527,20 +528,44 @@ fn time_us(client: &ComputeClient<R>, warm: usize, reps: usize, iters: usize, mu
     Ok(median(&mut times))
 }
 
+/// `bench`'s options (see `main`'s usage line).
+struct BenchOpts {
+    /// The routings' experts come from the layer's first `pool`.
+    pool: usize,
+    /// Time a sweep of launch shapes and report the fastest (`--no-sweep`: the engine's own, `MoeConfig::for_tokens`).
+    sweep: bool,
+    /// The calls cycle over this many of the 16 routings.
+    cycle: usize,
+    /// Calls behind the copy a GPU-time sample; with two or more, the per-call slope too.
+    calls: Vec<usize>,
+    /// `--call-trace`: an event after every call.
+    call_trace: bool,
+    /// The GPU time from an event after the copy (`--subtract-copy` turns it off).
+    mid_event: bool,
+    /// `--driver-copy`: the driver's copy in front.
+    driver_copy: bool,
+    /// `--flush-after-copy`: CubeCL's queue flushed after the copy's enqueue.
+    flush_after_copy: bool,
+}
+
 fn run_bench(
     client: &ComputeClient<R>,
     kimi: &MoeExperts,
     gpu: &GpuExperts<R>,
     json: Option<&str>,
     ms: &[usize],
-    (pool, sweep_shapes, cycle, calls, (call_trace, mid_event, driver_copy)): (
-        usize,
-        bool,
-        usize,
-        &[usize],
-        (bool, bool, bool),
-    ),
+    opts: &BenchOpts,
 ) -> Result<()> {
+    let &BenchOpts {
+        pool,
+        sweep: sweep_shapes,
+        cycle,
+        ref calls,
+        call_trace,
+        mid_event,
+        driver_copy,
+        flush_after_copy,
+    } = opts;
     let s = kimi.shape();
     if pool < s.experts {
         println!("routings drawn from the layer's first {pool} of {} experts", s.experts);
@@ -568,6 +593,11 @@ fn run_bench(
         // `--driver-copy`: the copy in front is cuMemcpyDtoDAsync, not CubeCL's copy kernel.
         behind.set_driver_copy(client, true).map_err(anyhow::Error::msg)?;
         println!("the calls queue behind the driver's device-to-device copy (--driver-copy)");
+    }
+    if flush_after_copy {
+        // `--flush-after-copy`: CubeCL's queue handed to its device thread right after the copy's enqueue.
+        behind.set_flush_after_copy(client, true).map_err(anyhow::Error::msg)?;
+        println!("CubeCL's queue flushed after the copy's enqueue (--flush-after-copy)");
     }
     println!(
         "| m | active experts | us (wall) | GPU us (behind a copy) | bytes moved (MB) | GB/s (GPU) | % of copy BW (GPU; wall) | tokens/expert (max) |"
@@ -706,6 +736,7 @@ fn run_bench(
             "gpu_clock": if behind.gpu_clock() { "cuda events" } else { "host" },
             "subtract_copy": !mid_event,
             "driver_copy": driver_copy,
+            "flush_after_copy": flush_after_copy,
             "routings_cycled": cycle, "expert_pool": pool,
             "copy_gb_per_s": copy_gbs,
             "rows": rows,

@@ -58,6 +58,7 @@ pub struct BehindCopy {
     events: Option<cuda_events::Events>,
     mid: bool,
     driver_copy: bool,
+    flush_after_copy: bool,
 }
 
 impl BehindCopy {
@@ -69,7 +70,17 @@ impl BehindCopy {
         let floats = 1usize << 29;
         let (src, dst) = (client.empty(floats * 4), client.empty(floats * 4));
         let events = cuda_events::Events::new(client, &src);
-        let mut me = Self { src, dst, floats, copy_s: 0.0, copy_host_s: 0.0, events, mid: true, driver_copy: false };
+        let mut me = Self {
+            src,
+            dst,
+            floats,
+            copy_s: 0.0,
+            copy_host_s: 0.0,
+            events,
+            mid: true,
+            driver_copy: false,
+            flush_after_copy: false,
+        };
         (me.copy_s, me.copy_host_s, _) = me.median7(client, 0, |_| {})?;
         Ok(me)
     }
@@ -88,6 +99,19 @@ impl BehindCopy {
     /// A message when a device sync fails while the copy is timed anew.
     pub fn set_driver_copy<R: Runtime>(&mut self, client: &ComputeClient<R>, on: bool) -> Result<(), String> {
         self.driver_copy = on && self.events.is_some();
+        (self.copy_s, self.copy_host_s, _) = self.median7(client, 0, |_| {})?;
+        Ok(())
+    }
+
+    /// With `on`, a `get_resource` round trip right after the copy's enqueue (it hands CubeCL's queued tasks to its
+    /// device thread and records nothing on the stream), and the copy's time alone measured anew that way: with
+    /// [`Self::set_mid_event`]`(false)`, the check that the old method's fixed cost is the copy waiting in CubeCL's
+    /// client queue (session 30).
+    ///
+    /// # Errors
+    /// A message when a device sync fails while the copy is timed anew.
+    pub fn set_flush_after_copy<R: Runtime>(&mut self, client: &ComputeClient<R>, on: bool) -> Result<(), String> {
+        self.flush_after_copy = on;
         (self.copy_s, self.copy_host_s, _) = self.median7(client, 0, |_| {})?;
         Ok(())
     }
@@ -125,6 +149,9 @@ impl BehindCopy {
             }
             let t0 = std::time::Instant::now();
             self.copy(client)?;
+            if self.flush_after_copy {
+                client.get_resource(self.src.clone()).map_err(|e| format!("device memory: {e:?}"))?;
+            }
             let mid = match &self.events {
                 Some(ev) if self.mid && iters > 0 => {
                     ev.record_mark(client, &self.src, 0)?;
