@@ -225,9 +225,7 @@ impl BehindCopy {
         let per = |a: f64, b: f64| (a - b) * 1e6 / iters as f64;
         Ok((per(t, self.copy_s), per(host, self.copy_host_s)))
     }
-}
 
-impl BehindCopy {
     /// Where the GPU time of `iters` calls behind the copy goes, call by call: a CUDA event after the copy and after
     /// each call (each a break in programmatic dependent launch, so the calls here run a little slower than
     /// [`Self::time_us`]'s), medians of 7 after `warm` calls. Returns the copy's time in this run less the copy's
