@@ -2,7 +2,7 @@
 //! runs on a CUDA machine, built with `--features cuda`.
 //!
 //! ```text
-//! gpu_attention [--json FILE] [--quick] [--sweep] [--small] [--dims] [--mma] [--heads 64] [--profile BATCHxCONTEXT]
+//! gpu_attention [--json FILE] [--quick] [--sweep] [--small] [--dims] [--mma] [--tf32] [--heads 64] [--profile BATCHxCONTEXT]
 //! ```
 //!
 //! Check: random never-zero queries and latents, page tables of shuffled blocks, decode rows of several sequences
@@ -15,14 +15,16 @@
 //! order) for decode batches 1..128 at context 1k and 8k: microseconds per layer by wall clock (median of 9 runs of
 //! 10 back-to-back calls between syncs, each call on another layer's cache so that the L2 does not hold it) and in
 //! GPU time (the same calls queued behind a 2 GiB copy, `BehindCopy`: at small batches the host's enqueue outlasts
-//! the kernels), GB/s of the bytes that must move (the latents the rows see, the queries and the output) and their
+//! the kernels) with the attention launch alone beside it (its slices unmerged: the combine launch's share by
+//! difference), GB/s of the bytes that must move (the latents the rows see, the queries and the output) and their
 //! share of the copy bandwidth measured in the same run, and TFLOP/s (2 x heads x positions x (576 + 512) per row),
 //! the last three from the GPU time. `--heads N`:
 //! the benchmarks and sweeps with N heads instead of 64 (8: one rank's share under `--tp-size 8`). `--dims`: the
 //! dim-lane kernel's shapes (`attention_dims`) x slice lengths in GPU time beside the automatic launch, on one cache
 //! a case (the same for every launch: at 1k and at one row over 8k it stays in L2, so the % of the copy bandwidth
 //! there is the L2's, not DRAM's). `--mma`: the same sweep with the tensor-core kernel's shapes (`attention_mma`)
-//! instead of the dim lanes', beside the automatic key-lane launch and the picked one.
+//! instead of the dim lanes', beside the automatic key-lane launch and the picked one. `--tf32`: the dim lanes' sweep
+//! with the TF32 kernel's stage lengths (`attention_tf32`) x slice lengths added.
 
 use std::time::Instant;
 
@@ -32,10 +34,11 @@ use burn::cubecl::prelude::*;
 use eyrie_quant::cuda::SplitMix64;
 use eyrie_quant::cuda::attention::{
     AttentionConfig, FEW_HEADS, HEADS_PER_WARP, Lanes, PagedRows, attention_shared_bytes, mla_attention,
-    mla_attention_reference, write_rows,
+    mla_attention_parts, mla_attention_reference, write_rows,
 };
 use eyrie_quant::cuda::attention_dims::dims_refusal;
 use eyrie_quant::cuda::attention_mma::{MMA_SHAPES, mma_refusal};
+use eyrie_quant::cuda::attention_tf32::{TF32_SHAPES, tf32_refusal};
 use eyrie_quant::cuda::{BehindCopy, copy_bandwidth};
 
 type R = CudaRuntime;
@@ -129,6 +132,9 @@ fn shape_label(cfg: &AttentionConfig) -> String {
             cfg.warps / tiles,
             cfg.splits
         ),
+        Lanes::Tf32 { positions } => {
+            format!("TF32 tensor cores: {} warps, {positions} positions a stage, {} slices", cfg.warps, cfg.splits)
+        }
     }
 }
 
@@ -192,6 +198,15 @@ fn check(
             launches.push((format!("tensor cores {shape:?}, one slice"), shape.config(1, chunk)));
         }
     }
+    // The TF32 kernel's stage lengths (where it takes the latent), at the automatic slices and at one slice.
+    for shape in TF32_SHAPES {
+        if tf32_refusal(case.r, case.rot, shape, smem).is_none() {
+            let chunk = auto.chunk.next_multiple_of(shape.pt);
+            launches.push((format!("TF32 {shape:?}"), shape.config(max_len.div_ceil(chunk), chunk)));
+            let chunk = max_len.next_multiple_of(32);
+            launches.push((format!("TF32 {shape:?}, one slice"), shape.config(1, chunk)));
+        }
+    }
     let mut all_ok = true;
     for (label, cfg) in launches {
         let out = client.empty(n * case.heads * case.r * 4);
@@ -235,7 +250,8 @@ fn main() -> Result<()> {
     let sweep = args.iter().any(|a| a == "--sweep");
     let small = args.iter().any(|a| a == "--small");
     let mma = args.iter().any(|a| a == "--mma");
-    let dims = args.iter().any(|a| a == "--dims") || mma;
+    let tf32 = args.iter().any(|a| a == "--tf32");
+    let dims = args.iter().any(|a| a == "--dims") || mma || tf32;
     let heads: usize = match args.iter().position(|a| a == "--heads") {
         Some(i) => args.get(i + 1).context("--heads needs a count")?.parse().context("--heads: not a count")?,
         None => 64,
@@ -340,9 +356,9 @@ fn main() -> Result<()> {
     println!("{heads} heads");
     let behind = BehindCopy::new(&client).map_err(anyhow::Error::msg)?;
     println!(
-        "| batch | context | cache MB read | launch | us/layer (wall) | GPU us/layer (behind a copy) | GB/s (GPU) | % of copy BW (GPU) | TFLOP/s (GPU) |"
+        "| batch | context | cache MB read | launch | us/layer (wall) | GPU us/layer (behind a copy) | GPU us, attention launch alone | GB/s (GPU) | % of copy BW (GPU) | TFLOP/s (GPU) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let (r, rot, bs) = (512usize, 64usize, 16usize);
     let d = r + rot;
     let batches: &[usize] = if quick { &[1, 8] } else { &[1, 8, 32, 128] };
@@ -419,6 +435,37 @@ fn main() -> Result<()> {
             if let Some(e) = launch_err {
                 bail!(e);
             }
+            // The attention launch alone (its slices left unmerged): what the combine launch adds, by difference.
+            let mut parts_err = None;
+            let parts_us = if cfg.splits > 1 {
+                behind
+                    .time_us(&client, 2, 10, |i| {
+                        let res = mla_attention_parts(
+                            &client,
+                            &q_dev,
+                            &caches[i % copies],
+                            slots,
+                            &rows,
+                            &meta,
+                            &out,
+                            heads,
+                            r,
+                            rot,
+                            scale,
+                            cfg,
+                        );
+                        if let Err(e) = res {
+                            parts_err.get_or_insert(e);
+                        }
+                    })
+                    .ok()
+            } else {
+                Some(gpu_us)
+            };
+            if let Some(e) = parts_err {
+                bail!(e);
+            }
+            let parts_txt = parts_us.map_or("-".to_string(), |u| format!("{u:.1}"));
             let gpu_secs = gpu_us * 1e-6;
             let cache_bytes = (batch * ctx * d * 4) as f64;
             let moved = cache_bytes + (batch * heads * (d + r) * 4) as f64;
@@ -426,7 +473,7 @@ fn main() -> Result<()> {
             let gbs = moved / gpu_secs / 1e9;
             let pct = 100.0 * moved / gpu_secs / copy_bw;
             println!(
-                "| {batch} | {ctx} | {:.1} | {} | {:.1} | {gpu_us:.1}{mark} | {gbs:.0} | {pct:.1} | {:.1} |",
+                "| {batch} | {ctx} | {:.1} | {} | {:.1} | {gpu_us:.1}{mark} | {parts_txt} | {gbs:.0} | {pct:.1} | {:.1} |",
                 cache_bytes / 1e6,
                 shape_label(&cfg),
                 secs * 1e6,
@@ -434,7 +481,7 @@ fn main() -> Result<()> {
             );
             bench_json.push(
                 serde_json::json!({"batch": batch, "context": ctx, "heads": heads, "cache_bytes": cache_bytes,
-                "bytes_moved": moved, "us": secs * 1e6, "gpu_us": gpu_us, "gpu_timing": gpu_timing, "gb_s_gpu": gbs, "pct_copy_bw_gpu": pct,
+                "bytes_moved": moved, "us": secs * 1e6, "gpu_us": gpu_us, "gpu_us_attention_alone": parts_us, "gpu_timing": gpu_timing, "gb_s_gpu": gbs, "pct_copy_bw_gpu": pct,
                 "pct_copy_bw_wall": 100.0 * moved / secs / copy_bw, "tflops_gpu": flops / gpu_secs / 1e12,
                 "warps": cfg.warps, "heads_per_warp": cfg.hpw, "lanes": format!("{:?}", cfg.lanes), "splits": cfg.splits, "chunk": cfg.chunk}),
             );
@@ -587,6 +634,16 @@ fn main() -> Result<()> {
                     }
                 }
             }
+            for shape in TF32_SHAPES {
+                if !tf32 || tf32_refusal(r, rot, shape, smem).is_some() {
+                    continue;
+                }
+                for chunk in [32usize, 64, 96, 128, 192, 256, 384, 512, 1024] {
+                    if chunk <= ctx && chunk.is_multiple_of(shape.pt) {
+                        candidates.push(shape.config(ctx.div_ceil(chunk), chunk));
+                    }
+                }
+            }
             for (wh, wk, hpw, sg) in DIM_SHAPES {
                 if mma || dims_refusal(r, rot, wh, wk, hpw, sg, smem).is_some() || wh * hpw > heads.next_multiple_of(8)
                 {
@@ -635,6 +692,7 @@ fn main() -> Result<()> {
                     Lanes::Mma { tiles, positions } => {
                         ("tensor cores", format!("{tiles} tiles x {}", cfg.warps / tiles), positions.to_string())
                     }
+                    Lanes::Tf32 { positions } => ("TF32", format!("{}", cfg.warps), positions.to_string()),
                 };
                 if cfg == auto {
                     auto_us = us;

@@ -334,7 +334,10 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                 KernelSpec::MlaAttentionMma { r, rot, shape: s } => {
                     json!({"r": r, "rot": rot, "tiles": s.tiles, "warps_a_tile": s.wk, "positions": s.pt})
                 }
-                KernelSpec::MlaCombine { r } => json!({"r": r}),
+                KernelSpec::MlaAttentionTf32 { r, rot, shape: s } => {
+                    json!({"r": r, "rot": rot, "warps": s.warps, "positions": s.pt})
+                }
+                KernelSpec::MlaCombine { r, halves } => json!({"r": r, "halves": halves}),
                 KernelSpec::MhaPrefill { dims } => json!({"nope": dims.nope, "rot": dims.rot, "vd": dims.vd}),
                 KernelSpec::ArgmaxRows => json!({}),
                 KernelSpec::Gemv { k, cfg } | KernelSpec::GemvSwiglu { k, cfg } | KernelSpec::GemvNorm { k, cfg } => {

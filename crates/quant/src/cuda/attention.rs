@@ -106,6 +106,12 @@ pub enum Lanes {
         /// Positions a stage of latents (16 or 32).
         positions: usize,
     },
+    /// TF32 tensor cores at f32 accuracy for few heads ([`super::attention_tf32`]): `warps` warps (4 or 8) over 8
+    /// heads a block (`hpw` = 8 / `warps`), `positions` positions a stage.
+    Tf32 {
+        /// Positions a stage of latents (16 or 32).
+        positions: usize,
+    },
 }
 
 /// Launch shape of the attention: the kernel, warps per block, heads per warp and slices per query row.
@@ -198,6 +204,7 @@ impl AttentionConfig {
         smem: usize,
     ) -> Option<Self> {
         super::attention_mma::pick(rows, heads, max_len, r, rot, sms, smem)
+            .or_else(|| super::attention_tf32::pick(rows, heads, max_len, r, rot, sms, smem))
             .or_else(|| super::attention_dims::pick(rows, heads, max_len, r, rot, sms, smem))
             .or_else(|| Self::new(rows, heads, max_len, r + rot, sms, smem))
     }
@@ -608,7 +615,8 @@ pub(crate) mod gpu {
     /// Launches every attention specialisation [`AttentionConfig::new`] can pick for `heads` heads over `cache`
     /// (`[slots, r + rot]` f32, at least 64 rows: the pool the model will read, so that the launches index it as
     /// the model's do), each over one query row of zeros that sees the pool's first 64 rows in two slices (so the
-    /// combine compiles too): a warm-up, so that no kernel compiles at the first long context or wide batch.
+    /// combine compiles too), then the first of them in 9 slices (the combine of many slices): a warm-up, so that no
+    /// kernel compiles at the first long context or wide batch.
     /// Nothing is written to `cache`. Returns the number of launch shapes ([`AttentionConfig::variants`]).
     ///
     /// # Errors
@@ -635,9 +643,16 @@ pub(crate) mod gpu {
         variants.extend(crate::cuda::attention_dims::variants(r, rot, smem));
         if heads > super::FEW_HEADS {
             variants.extend(crate::cuda::attention_mma::variants(r, rot, smem));
+        } else {
+            variants.extend(crate::cuda::attention_tf32::variants(r, rot, smem));
         }
         for cfg in &variants {
             let cfg = AttentionConfig { splits: 2, ..*cfg };
+            mla_attention(client, &q, cache, slots, &rows, &meta, &out, heads, r, rot, 1.0, cfg)?;
+        }
+        // And the combine of many slices (`attention_merge::combine_halves`): 9 slices of 32, the last 7 empty.
+        if let Some(cfg) = variants.first() {
+            let cfg = AttentionConfig { splits: 9, chunk: 32, ..*cfg };
             mla_attention(client, &q, cache, slots, &rows, &meta, &out, heads, r, rot, 1.0, cfg)?;
         }
         Ok(variants.len())
@@ -731,6 +746,16 @@ pub(crate) mod gpu {
                 return Err(format!("mla_attention: launch shape {cfg:?} (tensor cores: 16 heads a tile)"));
             }
         }
+        if let super::Lanes::Tf32 { positions } = cfg.lanes {
+            let smem = client.properties().hardware.max_shared_memory_size;
+            let shape = crate::cuda::attention_tf32::Tf32Shape { warps: cfg.warps, pt: positions };
+            if let Some(why) = crate::cuda::attention_tf32::tf32_refusal(r, rot, shape, smem) {
+                return Err(format!("mla_attention: {why}"));
+            }
+            if shape.config(cfg.splits, cfg.chunk) != cfg || !cfg.chunk.is_multiple_of(positions) {
+                return Err(format!("mla_attention: launch shape {cfg:?} (TF32: 8 heads a block)"));
+            }
+        }
         rows.validate(slots).map_err(|e| format!("mla_attention: {e}"))?;
         let max_len = rows.row_len.iter().copied().max().unwrap_or(0) as usize;
         if cfg.splits * cfg.chunk < max_len {
@@ -776,6 +801,7 @@ pub(crate) mod gpu {
             let ml_arg = ArrayArg::from_raw_parts(ml_part.clone(), cfg.splits * pairs * 2);
             use crate::cuda::attention_dims::mla_attention_dims_kernel;
             use crate::cuda::attention_mma::mla_attention_mma_kernel;
+            use crate::cuda::attention_tf32::mla_attention_tf32_kernel;
             // `$kernel` launched with the three decode kernels' shared arguments (in their order), then its own.
             macro_rules! launch_decode {
                 ($kernel:ident, $count:expr, $dim:expr, $($own:expr),+ $(,)?) => {
@@ -817,6 +843,17 @@ pub(crate) mod gpu {
                         rot,
                         tiles,
                         cfg.warps / tiles,
+                        positions
+                    )
+                }
+                super::Lanes::Tf32 { positions } => {
+                    launch_decode!(
+                        mla_attention_tf32_kernel,
+                        CubeCount::Static(groups, cfg.splits as u32, rows_u),
+                        CubeDim::new_2d(32, cfg.warps as u32),
+                        r,
+                        rot,
+                        cfg.warps,
                         positions
                     )
                 }

@@ -10,8 +10,9 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 
 /// Merges the slices of each (row, head): weights `l_s exp(m_s - max m)` over the slices' normalized outputs.
-/// One block of 128 threads per (row, head), thread `i` owning 4-float vectors `i, i + 128, ...` of the output
-/// ([`merge_slices`], which `mla::mla_output_kernel` also runs in place of this launch).
+/// One block of `128 * halves` threads per (row, head) ([`combine_halves`]), thread `i < 128` owning 4-float vectors
+/// `i, i + 128, ...` of the output ([`merge_slices`], which `mla::mla_output_kernel` also runs in place of this
+/// launch).
 #[cube(launch_unchecked, address_type = "dynamic")]
 pub fn mla_combine_kernel<N: Size>(
     o_part: &Array<Vector<f32, N>>,
@@ -20,16 +21,17 @@ pub fn mla_combine_kernel<N: Size>(
     pairs: u32,
     splits: u32,
     #[comptime] r: usize,
+    #[comptime] halves: usize,
 ) {
     let rh = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
     let rv = comptime!(r / 4);
     let mut acc = Array::<f32>::new(comptime!(4 * (r / 4).div_ceil(128)));
-    merge_slices::<N>(o_part, ml_part, &mut acc, pairs as usize, splits as usize, rh, tid, r, 1usize);
+    merge_slices::<N>(o_part, ml_part, &mut acc, pairs as usize, splits as usize, rh, tid, r, halves);
     #[unroll]
     for it in 0..comptime!((r / 4).div_ceil(128)) {
         let c4 = it * 128 + tid;
-        if c4 < rv {
+        if tid < 128 && c4 < rv {
             let mut o = Vector::<f32, N>::empty();
             #[unroll]
             for e in 0..4usize {
@@ -196,13 +198,14 @@ pub fn merge_parts<R: Runtime>(
 ) {
     if parts.splits > 1 {
         let o_len = parts.splits * pairs * r;
+        let halves = combine_halves(parts.splits);
         // SAFETY: `mla_attention_parts` reserved `o` as `[splits, pairs, r]` and `ml` as `[splits, pairs, 2]`;
         // `out` holds `[pairs, r]` (checked there); block `rh < pairs` writes row `rh` of `out`.
         unsafe {
             mla_combine_kernel::launch_unchecked::<R>(
                 client,
                 CubeCount::Static(pairs as u32, 1, 1),
-                CubeDim::new_1d(128),
+                CubeDim::new_1d((128 * halves) as u32),
                 AddressType::from_len(o_len),
                 4,
                 ArrayArg::from_raw_parts(parts.o.clone(), o_len / 4),
@@ -211,9 +214,16 @@ pub fn merge_parts<R: Runtime>(
                 pairs as u32,
                 parts.splits as u32,
                 r,
+                halves,
             );
         }
     }
+}
+
+/// The combine launch's threads a (row, head), in 128s: 4 above 8 slices (each thread's chain of loads a quarter
+/// as long: 32 slices in one round of 8 loads in flight instead of four), else 1.
+pub fn combine_halves(splits: usize) -> usize {
+    if splits > 8 { 4 } else { 1 }
 }
 
 /// What [`mla_attention_parts`](super::attention::mla_attention_parts) leaves: with one slice (`splits` 1) the

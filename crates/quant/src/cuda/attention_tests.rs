@@ -165,12 +165,18 @@ fn variants_cover_every_shape_new_picks() {
 #[test]
 fn the_dim_lanes_are_picked_where_the_h200_measured_them_faster() {
     use crate::cuda::attention_dims::{FEW_HEADS_NARROW, FEW_HEADS_WIDE, MANY_HEADS, dims_shared_bytes};
-    let h200 = |rows, heads, ctx| AttentionConfig::pick(rows, heads, ctx, 512, 64, 132, 227 * 1024).unwrap();
+    // The dim lanes' own pick (few heads take the TF32 kernel first since session 31: `the_tf32_kernel_is_picked_
+    // for_few_heads`; the dim lanes are its fallback where it is off or refused).
+    let h200 = |rows, heads, ctx| {
+        crate::cuda::attention_dims::pick(rows, heads, ctx, 512, 64, 132, 227 * 1024)
+            .or_else(|| AttentionConfig::pick(rows, heads, ctx, 512, 64, 132, 227 * 1024))
+            .unwrap()
+    };
     let dims = |c: AttentionConfig| match c.lanes {
         Lanes::Dims { key_warps, groups } => {
             Some(crate::cuda::attention_dims::DimShape { wh: c.warps, wk: key_warps, hpw: c.hpw, sg: groups })
         }
-        Lanes::Keys | Lanes::Mma { .. } => None,
+        Lanes::Keys | Lanes::Mma { .. } | Lanes::Tf32 { .. } => None,
     };
     // Session 22's sweep (`gpu_attention --dims`): the best shape and slice length of each case.
     let c = h200(8, 8, 8192);
@@ -188,7 +194,8 @@ fn the_dim_lanes_are_picked_where_the_h200_measured_them_faster() {
     assert_eq!(small, AttentionConfig::new(8, 8, 8192, 72, 132, 227 * 1024).unwrap());
     // SM120 (99 KB a block): few heads take the 92 KB shape at any size, 64 heads the tensor cores (79 KB).
     let sm120 = |rows, heads, ctx| AttentionConfig::pick(rows, heads, ctx, 512, 64, 188, 99 * 1024).unwrap();
-    assert_eq!(dims(sm120(1, 8, 1024)), Some(FEW_HEADS_WIDE));
+    let sm120_dims = crate::cuda::attention_dims::pick(1, 8, 1024, 512, 64, 188, 99 * 1024).unwrap();
+    assert_eq!(dims(sm120_dims), Some(FEW_HEADS_WIDE));
     assert!(matches!(sm120(8, 64, 8192).lanes, Lanes::Mma { .. }));
     assert!(dims_shared_bytes(512, 64, 1, 4, 8, 1) <= 99 * 1024);
     // Every pick covers its rows' positions in slices of whole 64s, and a thousand rows take one slice.
@@ -212,10 +219,10 @@ fn the_tensor_cores_are_picked_for_many_heads() {
         assert_eq!(c, MMA_PICKED.config(ctx.div_ceil(chunk), chunk), "{rows} x {ctx}");
         assert_eq!(c.blocks(rows, 64), rows * 4 * c.splits);
     }
-    // 32 heads too (`--tp-size 2`); 16 and fewer keep the dim lanes (half a tile of 16 heads would be padding).
+    // 32 heads too (`--tp-size 2`); 16 and fewer take the TF32 kernel (half a tile of 16 heads would be padding).
     assert!(matches!(h200(3, 32, 1025).lanes, Lanes::Mma { tiles: 1, positions: 16 }));
-    assert!(matches!(h200(8, 16, 8192).lanes, Lanes::Dims { .. }));
-    assert!(matches!(h200(8, 8, 8192).lanes, Lanes::Dims { .. }));
+    assert!(matches!(h200(8, 16, 8192).lanes, Lanes::Tf32 { positions: 16 }));
+    assert!(matches!(h200(8, 8, 8192).lanes, Lanes::Tf32 { positions: 16 }));
     // A latent the kernel refuses (r not a multiple of 128) falls back to the CUDA-core kernels.
     let small = AttentionConfig::pick(8, 64, 8192, 64, 8, 132, 227 * 1024).unwrap();
     assert!(!matches!(small.lanes, Lanes::Mma { .. }));
@@ -224,6 +231,40 @@ fn the_tensor_cores_are_picked_for_many_heads() {
     assert!(crate::cuda::attention_mma::pick(1, 64, 8192, 512, 64, 132, 64 * 1024).is_none());
     let c = crate::cuda::attention_mma::pick(1, 64, 8192, 512, 64, 188, 99 * 1024).unwrap();
     assert!((94..=188).contains(&c.blocks(1, 64)), "{c:?}");
+}
+
+#[test]
+fn the_tf32_kernel_is_picked_for_few_heads() {
+    use crate::cuda::attention_tf32::{TF32_PICKED, Tf32Shape, tf32_refusal, tf32_shared_bytes};
+    let h200 = |rows, heads, ctx| AttentionConfig::pick(rows, heads, ctx, 512, 64, 132, 227 * 1024).unwrap();
+    // Session 31's sweep (`gpu_attention --tf32 --heads 8`): the picked shape's best slice length at each case (8
+    // rows over 1k: 32 picked, 64 measured best, 15.9 against 14.8 us).
+    for (rows, ctx, chunk) in
+        [(1, 1024, 32), (1, 8192, 96), (8, 1024, 32), (8, 8192, 256), (32, 1024, 128), (32, 8192, 1024)]
+    {
+        let c = h200(rows, 8, ctx);
+        assert_eq!(c, TF32_PICKED.config(ctx.div_ceil(chunk), chunk), "{rows} x {ctx}");
+        assert_eq!(c.blocks(rows, 8), rows * c.splits);
+    }
+    // 16 heads (`--tp-size 4`) take two head groups a slice; 17 and more the BF16 tensor cores.
+    let c = h200(8, 16, 8192);
+    assert_eq!((c.lanes, c.blocks(8, 16)), (Lanes::Tf32 { positions: 16 }, 8 * 2 * c.splits));
+    assert!(matches!(h200(8, 24, 8192).lanes, Lanes::Mma { .. }));
+    // A latent it refuses (r not a multiple of 256) falls back to the CUDA-core kernels; SM120 (99 KB) takes it.
+    assert!(!matches!(AttentionConfig::pick(8, 8, 8192, 128, 64, 132, 227 * 1024).unwrap().lanes, Lanes::Tf32 { .. }));
+    assert!(matches!(
+        AttentionConfig::pick(8, 8, 8192, 512, 64, 188, 99 * 1024).unwrap().lanes,
+        Lanes::Tf32 { positions: 16 }
+    ));
+    assert_eq!(tf32_shared_bytes(512, 64, TF32_PICKED), 76_320);
+    assert!(tf32_refusal(512, 64, TF32_PICKED, 64 * 1024).unwrap().contains("76320 bytes of shared memory"));
+    assert!(tf32_refusal(256, 64, Tf32Shape { warps: 8, pt: 16 }, 227 * 1024).unwrap().contains("multiple of 512"));
+    assert!(tf32_refusal(512, 64, Tf32Shape { warps: 2, pt: 16 }, 227 * 1024).unwrap().contains("2 warps"));
+    // Every pick covers its rows' positions, in at most 96 slices.
+    for (rows, heads, ctx) in [(1, 8, 1000), (3, 16, 70_000), (8, 8, 8191), (128, 8, 8192), (1, 1, 65)] {
+        let c = h200(rows, heads, ctx);
+        assert!(c.splits * c.chunk >= ctx && (c.splits - 1) * c.chunk < ctx && c.splits <= 96, "{c:?}");
+    }
 }
 
 #[test]

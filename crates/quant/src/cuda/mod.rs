@@ -16,6 +16,8 @@
 //!   shapes always built, the kernel with feature `cuda`).
 //! - [`attention_mma`]: the decode attention's third kernel, on tensor cores at f32 accuracy (its launch shapes
 //!   always built, the kernel with feature `cuda`).
+//! - [`attention_tf32`]: the decode attention's fourth kernel, for few heads (a tensor-parallel rank's), on TF32
+//!   tensor cores at f32 accuracy (its launch shapes always built, the kernel with feature `cuda`).
 //! - [`attention_merge`] (feature `cuda`): the merge of the attention's slices (the combine launch, and the merge the
 //!   MLA output launch runs itself at one token).
 //! - [`resources`]: ptxas resource reports and per-architecture block limits; [`offline`] (feature `cuda`): the
@@ -24,6 +26,7 @@
 pub mod attention;
 pub mod attention_dims;
 pub mod attention_mma;
+pub mod attention_tf32;
 pub mod dense;
 pub mod dense_mma;
 pub mod dense_shapes;

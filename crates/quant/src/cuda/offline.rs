@@ -32,7 +32,8 @@ use super::specs::{Act, ExpertMmaSpec, ExpertRowsSpec, KernelSpec};
 #[path = "offline_attention.rs"]
 mod attention;
 use attention::{
-    define_mha_prefill, define_mla_attention, define_mla_attention_dims, define_mla_attention_mma, define_mla_combine,
+    define_mha_prefill, define_mla_attention, define_mla_attention_dims, define_mla_attention_mma,
+    define_mla_attention_tf32, define_mla_combine,
 };
 
 /// 16-byte vectors of the kernels (the launcher's `VEC`).
@@ -744,7 +745,10 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::MlaAttentionMma { r, rot, shape } => {
             (define_mla_attention_mma(*r, *rot, *shape, &props), AddressType::U32)
         }
-        KernelSpec::MlaCombine { r } => (define_mla_combine(*r, &props), AddressType::U32),
+        KernelSpec::MlaAttentionTf32 { r, rot, shape } => {
+            (define_mla_attention_tf32(*r, *rot, *shape, &props), AddressType::U32)
+        }
+        KernelSpec::MlaCombine { r, halves } => (define_mla_combine(*r, *halves, &props), AddressType::U32),
         KernelSpec::MhaPrefill { dims } => (define_mha_prefill(*dims, &props), AddressType::U32),
         KernelSpec::ArgmaxRows => (define_argmax_rows(&props), AddressType::U32),
         KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),

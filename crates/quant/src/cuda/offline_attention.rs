@@ -1,5 +1,5 @@
-//! The attention kernels' definitions for [`super::cuda_source`] (the key-lane, dim-lane and tensor-core decode
-//! kernels, the combine, and the MHA-form prefill kernel): each builds the kernel's CubeCL expansion the way its
+//! The attention kernels' definitions for [`super::cuda_source`] (the key-lane, dim-lane, tensor-core and TF32
+//! decode kernels, the combine, and the MHA-form prefill kernel): each builds the kernel's CubeCL expansion the way its
 //! `#[cube(launch_unchecked)]` macro's `define()` does (see the parent module's docs).
 
 use burn::cubecl;
@@ -10,6 +10,7 @@ use super::{ARRAY, VEC, builder};
 use crate::cuda::attention::{mla_attention_kernel, mla_combine_kernel};
 use crate::cuda::attention_dims::{DimShape, mla_attention_dims_kernel};
 use crate::cuda::attention_mma::{MmaShape, mla_attention_mma_kernel};
+use crate::cuda::attention_tf32::{Tf32Shape, mla_attention_tf32_kernel};
 use crate::cuda::prefill_attention::{MhaDims, mha_prefill_kernel};
 
 /// `T`'s expansion.
@@ -121,7 +122,23 @@ pub(super) fn define_mla_attention_mma(
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
 }
 
-pub(super) fn define_mla_combine(r: usize, props: &DeviceProperties) -> KernelDefinition {
+pub(super) fn define_mla_attention_tf32(
+    r: usize,
+    rot: usize,
+    shape: Tf32Shape,
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    use mla_attention_tf32_kernel::_N;
+    type N = DynamicSize<_N>;
+    let address = AddressType::U32;
+    let (mut b, x) = decode_args::<N>(props);
+    expand_decode!(mla_attention_tf32_kernel, b, x, r, rot, shape.warps, shape.pt);
+    let name = format!("mla_attention_tf32_kernel_n_{VEC}");
+    let dim = CubeDim::new_2d(32, shape.warps as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
+
+pub(super) fn define_mla_combine(r: usize, halves: usize, props: &DeviceProperties) -> KernelDefinition {
     use mla_combine_kernel::_N;
     type N = DynamicSize<_N>;
     let address = AddressType::U32;
@@ -133,9 +150,10 @@ pub(super) fn define_mla_combine(r: usize, props: &DeviceProperties) -> KernelDe
     let out = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
     let pairs = <u32 as LaunchArg>::expand(&(), &mut b);
     let splits = <u32 as LaunchArg>::expand(&(), &mut b);
-    mla_combine_kernel::expand::<N>(&mut b.scope, VEC, o_part, ml_part, out, pairs, splits, r);
+    mla_combine_kernel::expand::<N>(&mut b.scope, VEC, o_part, ml_part, out, pairs, splits, r, halves);
     let name = format!("mla_combine_kernel_n_{VEC}");
-    b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(128)).address_type(address).kernel_name(name))
+    let dim = CubeDim::new_1d((128 * halves) as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
 }
 
 pub(super) fn define_mha_prefill(dims: MhaDims, props: &DeviceProperties) -> KernelDefinition {

@@ -598,6 +598,7 @@ mod gpu {
                 pairs as u32,
                 segments as u32,
                 vd,
+                1usize,
             );
         }
         Ok(())

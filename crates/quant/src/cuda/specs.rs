@@ -367,10 +367,22 @@ pub enum KernelSpec {
         /// The launch shape.
         shape: crate::cuda::attention_mma::MmaShape,
     },
+    /// `attention_tf32::mla_attention_tf32_kernel` (the same attention for few heads on TF32 tensor cores at f32
+    /// accuracy).
+    MlaAttentionTf32 {
+        /// Latent rank (value width).
+        r: usize,
+        /// Rotary width.
+        rot: usize,
+        /// The launch shape.
+        shape: crate::cuda::attention_tf32::Tf32Shape,
+    },
     /// `attention::mla_combine_kernel` (merge of a row's slices).
     MlaCombine {
         /// Latent rank (value width).
         r: usize,
+        /// Threads a (row, head) in 128s (`attention_merge::combine_halves`).
+        halves: usize,
     },
     /// `sampling::argmax_rows_kernel` (greedy picks on the device).
     ArgmaxRows,
@@ -510,7 +522,8 @@ impl KernelSpec {
             Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
             Self::MlaAttentionDims { shape, .. } => CubeDim::new_2d(32, (shape.wh * shape.wk) as u32),
             Self::MlaAttentionMma { shape, .. } => CubeDim::new_2d(32, (shape.tiles * shape.wk) as u32),
-            Self::MlaCombine { .. } => CubeDim::new_1d(128),
+            Self::MlaAttentionTf32 { shape, .. } => CubeDim::new_2d(32, shape.warps as u32),
+            Self::MlaCombine { halves, .. } => CubeDim::new_1d((128 * halves) as u32),
             Self::MhaPrefill { .. } => CubeDim::new_1d(crate::cuda::prefill_attention::THREADS as u32),
             Self::ArgmaxRows => CubeDim::new_1d(crate::cuda::sampling::ARGMAX_THREADS as u32),
             Self::Gemv { cfg, .. }
@@ -546,7 +559,10 @@ impl KernelSpec {
             Self::MlaAttentionMma { r, rot, shape: s } => {
                 format!("mla_attention_mma r{r} rot{rot} tiles{} wk{} pt{}", s.tiles, s.wk, s.pt)
             }
-            Self::MlaCombine { r } => format!("mla_combine r{r}"),
+            Self::MlaAttentionTf32 { r, rot, shape: s } => {
+                format!("mla_attention_tf32 r{r} rot{rot} w{} pt{}", s.warps, s.pt)
+            }
+            Self::MlaCombine { r, halves } => format!("mla_combine r{r} x{halves}"),
             Self::MhaPrefill { dims } => format!("mha_prefill nope{} rot{} vd{}", dims.nope, dims.rot, dims.vd),
             Self::ArgmaxRows => "argmax_rows".into(),
             Self::Gemv { k, cfg } => {
@@ -696,12 +712,18 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
     if crate::cuda::attention_mma::mma_refusal(r, rot, shape, smem_limit).is_none() {
         out.push(KernelSpec::MlaAttentionMma { r, rot, shape });
     }
-    out.push(KernelSpec::MlaCombine { r });
+    let shape = crate::cuda::attention_tf32::TF32_PICKED;
+    if crate::cuda::attention_tf32::tf32_refusal(r, rot, shape, smem_limit).is_none() {
+        out.push(KernelSpec::MlaAttentionTf32 { r, rot, shape });
+    }
+    for halves in [1, 4] {
+        out.push(KernelSpec::MlaCombine { r, halves });
+    }
     // The prefill chunks' MHA form at Kimi-K2's head dimensions (its value width merges segments), where it fits.
     let mha = crate::cuda::prefill_attention::MhaDims { nope: 128, rot, vd: 128 };
     if mha.check(smem_limit).is_ok() {
         out.push(KernelSpec::MhaPrefill { dims: mha });
-        out.push(KernelSpec::MlaCombine { r: mha.vd });
+        out.push(KernelSpec::MlaCombine { r: mha.vd, halves: 1 });
     }
     for &k in ks {
         for n in 1..=16 {

@@ -67,6 +67,11 @@ fn attention_specs_fit_the_device() {
             rot: 64,
             shape: crate::cuda::attention_mma::MmaShape { tiles, wk: c.warps / tiles, pt: positions },
         },
+        crate::cuda::attention::Lanes::Tf32 { positions } => KernelSpec::MlaAttentionTf32 {
+            r: 512,
+            rot: 64,
+            shape: crate::cuda::attention_tf32::Tf32Shape { warps: c.warps, pt: positions },
+        },
     };
     for (rows, ctx) in [(1, 64), (1, 1024), (1, 8192), (8, 1024), (8, 8192), (32, 1024), (1024, 1024)] {
         for heads in [8, 16, 32, 64, 128] {
@@ -86,7 +91,7 @@ fn attention_specs_fit_the_device() {
     assert!(sm120.iter().filter(|s| matches!(s, KernelSpec::Gemv { .. })).count() >= 4);
     for specs in [&h200, &sm120] {
         assert!(specs.iter().any(|s| matches!(s, KernelSpec::MhaPrefill { .. })));
-        assert!(specs.contains(&KernelSpec::MlaCombine { r: 128 }));
+        assert!(specs.contains(&KernelSpec::MlaCombine { r: 128, halves: 1 }));
     }
 }
 
