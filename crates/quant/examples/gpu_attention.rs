@@ -16,7 +16,8 @@
 //! 10 back-to-back calls between syncs, each call on another layer's cache so that the L2 does not hold it) and in
 //! GPU time (the same calls queued behind a 2 GiB copy, `BehindCopy`: at small batches the host's enqueue outlasts
 //! the kernels) with the attention launch alone beside it (its slices unmerged: the combine launch's share by
-//! difference), GB/s of the bytes that must move (the latents the rows see, the queries and the output) and their
+//! difference; where the TF32 kernel runs, its other ring of stages at the same slices on a row of its own), GB/s of
+//! the bytes that must move (the latents the rows see, the queries and the output) and their
 //! share of the copy bandwidth measured in the same run, and TFLOP/s (2 x heads x positions x (576 + 512) per row),
 //! the last three from the GPU time. `--heads N`:
 //! the benchmarks and sweeps with N heads instead of 64 (8: one rank's share under `--tp-size 8`). `--dims`: the
@@ -38,7 +39,7 @@ use eyrie_quant::cuda::attention::{
 };
 use eyrie_quant::cuda::attention_dims::dims_refusal;
 use eyrie_quant::cuda::attention_mma::{MMA_SHAPES, mma_refusal};
-use eyrie_quant::cuda::attention_tf32::{TF32_SHAPES, tf32_refusal};
+use eyrie_quant::cuda::attention_tf32::{TF32_SHAPES, Tf32Shape, tf32_refusal};
 use eyrie_quant::cuda::{BehindCopy, copy_bandwidth};
 
 type R = CudaRuntime;
@@ -132,9 +133,10 @@ fn shape_label(cfg: &AttentionConfig) -> String {
             cfg.warps / tiles,
             cfg.splits
         ),
-        Lanes::Tf32 { positions } => {
-            format!("TF32 tensor cores: {} warps, {positions} positions a stage, {} slices", cfg.warps, cfg.splits)
-        }
+        Lanes::Tf32 { positions, stages } => format!(
+            "TF32 tensor cores: {} warps, {positions} positions a stage, {stages} stages, {} slices",
+            cfg.warps, cfg.splits
+        ),
     }
 }
 
@@ -485,6 +487,48 @@ fn main() -> Result<()> {
                 "pct_copy_bw_wall": 100.0 * moved / secs / copy_bw, "tflops_gpu": flops / gpu_secs / 1e12,
                 "warps": cfg.warps, "heads_per_warp": cfg.hpw, "lanes": format!("{:?}", cfg.lanes), "splits": cfg.splits, "chunk": cfg.chunk}),
             );
+            // The TF32 kernel's other ring (2 or 3 stages) at the same slices, in the same process, for comparison.
+            if let Lanes::Tf32 { positions, stages } = cfg.lanes {
+                let other = Tf32Shape { warps: cfg.warps, pt: positions, stages: 5 - stages };
+                if tf32_refusal(r, rot, other, smem).is_none() {
+                    let alt = other.config(cfg.splits, cfg.chunk);
+                    let mut alt_err = None;
+                    let alt_us = behind
+                        .time_us(&client, 2, 10, |i| {
+                            let res = mla_attention(
+                                &client,
+                                &q_dev,
+                                &caches[i % copies],
+                                slots,
+                                &rows,
+                                &meta,
+                                &out,
+                                heads,
+                                r,
+                                rot,
+                                scale,
+                                alt,
+                            );
+                            if let Err(e) = res {
+                                alt_err.get_or_insert(e);
+                            }
+                        })
+                        .map_err(anyhow::Error::msg)?;
+                    if let Some(e) = alt_err {
+                        bail!(e);
+                    }
+                    println!(
+                        "| {batch} | {ctx} | {:.1} | {} (the other ring) | - | {alt_us:.1} | - | {:.0} | {:.1} | - |",
+                        cache_bytes / 1e6,
+                        shape_label(&alt),
+                        moved / (alt_us * 1e-6) / 1e9,
+                        100.0 * moved / (alt_us * 1e-6) / copy_bw
+                    );
+                    bench_json.push(serde_json::json!({"batch": batch, "context": ctx, "heads": heads,
+                        "gpu_us": alt_us, "other_ring": true, "lanes": format!("{:?}", alt.lanes),
+                        "pct_copy_bw_gpu": 100.0 * moved / (alt_us * 1e-6) / copy_bw, "splits": alt.splits, "chunk": alt.chunk}));
+                }
+            }
         }
     }
     // Launch shapes at decode batches (`--sweep`): every heads a warp x warps x slice length that fits, to tune
@@ -692,7 +736,9 @@ fn main() -> Result<()> {
                     Lanes::Mma { tiles, positions } => {
                         ("tensor cores", format!("{tiles} tiles x {}", cfg.warps / tiles), positions.to_string())
                     }
-                    Lanes::Tf32 { positions } => ("TF32", format!("{}", cfg.warps), positions.to_string()),
+                    Lanes::Tf32 { positions, stages } => {
+                        ("TF32", format!("{}", cfg.warps), format!("{positions} x {stages} stages"))
+                    }
                 };
                 if cfg == auto {
                     auto_us = us;

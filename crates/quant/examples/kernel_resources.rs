@@ -335,7 +335,7 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     json!({"r": r, "rot": rot, "tiles": s.tiles, "warps_a_tile": s.wk, "positions": s.pt})
                 }
                 KernelSpec::MlaAttentionTf32 { r, rot, shape: s } => {
-                    json!({"r": r, "rot": rot, "warps": s.warps, "positions": s.pt})
+                    json!({"r": r, "rot": rot, "warps": s.warps, "positions": s.pt, "stages": s.stages})
                 }
                 KernelSpec::MlaCombine { r, halves } => json!({"r": r, "halves": halves}),
                 KernelSpec::MhaPrefill { dims } => json!({"nope": dims.nope, "rot": dims.rot, "vd": dims.vd}),

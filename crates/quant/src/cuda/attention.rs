@@ -111,6 +111,8 @@ pub enum Lanes {
     Tf32 {
         /// Positions a stage of latents (16 or 32).
         positions: usize,
+        /// Stages of latents in shared memory (2 or 3).
+        stages: usize,
     },
 }
 
@@ -746,9 +748,9 @@ pub(crate) mod gpu {
                 return Err(format!("mla_attention: launch shape {cfg:?} (tensor cores: 16 heads a tile)"));
             }
         }
-        if let super::Lanes::Tf32 { positions } = cfg.lanes {
+        if let super::Lanes::Tf32 { positions, stages } = cfg.lanes {
             let smem = client.properties().hardware.max_shared_memory_size;
-            let shape = crate::cuda::attention_tf32::Tf32Shape { warps: cfg.warps, pt: positions };
+            let shape = crate::cuda::attention_tf32::Tf32Shape { warps: cfg.warps, pt: positions, stages };
             if let Some(why) = crate::cuda::attention_tf32::tf32_refusal(r, rot, shape, smem) {
                 return Err(format!("mla_attention: {why}"));
             }
@@ -846,7 +848,7 @@ pub(crate) mod gpu {
                         positions
                     )
                 }
-                super::Lanes::Tf32 { positions } => {
+                super::Lanes::Tf32 { positions, stages } => {
                     launch_decode!(
                         mla_attention_tf32_kernel,
                         CubeCount::Static(groups, cfg.splits as u32, rows_u),
@@ -854,7 +856,8 @@ pub(crate) mod gpu {
                         r,
                         rot,
                         cfg.warps,
-                        positions
+                        positions,
+                        stages
                     )
                 }
             }

@@ -221,8 +221,8 @@ fn the_tensor_cores_are_picked_for_many_heads() {
     }
     // 32 heads too (`--tp-size 2`); 16 and fewer take the TF32 kernel (half a tile of 16 heads would be padding).
     assert!(matches!(h200(3, 32, 1025).lanes, Lanes::Mma { tiles: 1, positions: 16 }));
-    assert!(matches!(h200(8, 16, 8192).lanes, Lanes::Tf32 { positions: 16 }));
-    assert!(matches!(h200(8, 8, 8192).lanes, Lanes::Tf32 { positions: 16 }));
+    assert!(matches!(h200(8, 16, 8192).lanes, Lanes::Tf32 { positions: 16, stages: 2 }));
+    assert!(matches!(h200(8, 8, 8192).lanes, Lanes::Tf32 { positions: 16, stages: 2 }));
     // A latent the kernel refuses (r not a multiple of 128) falls back to the CUDA-core kernels.
     let small = AttentionConfig::pick(8, 64, 8192, 64, 8, 132, 227 * 1024).unwrap();
     assert!(!matches!(small.lanes, Lanes::Mma { .. }));
@@ -248,18 +248,25 @@ fn the_tf32_kernel_is_picked_for_few_heads() {
     }
     // 16 heads (`--tp-size 4`) take two head groups a slice; 17 and more the BF16 tensor cores.
     let c = h200(8, 16, 8192);
-    assert_eq!((c.lanes, c.blocks(8, 16)), (Lanes::Tf32 { positions: 16 }, 8 * 2 * c.splits));
+    assert_eq!((c.lanes, c.blocks(8, 16)), (Lanes::Tf32 { positions: 16, stages: 2 }, 8 * 2 * c.splits));
     assert!(matches!(h200(8, 24, 8192).lanes, Lanes::Mma { .. }));
     // A latent it refuses (r not a multiple of 256) falls back to the CUDA-core kernels; SM120 (99 KB) takes it.
     assert!(!matches!(AttentionConfig::pick(8, 8, 8192, 128, 64, 132, 227 * 1024).unwrap().lanes, Lanes::Tf32 { .. }));
     assert!(matches!(
         AttentionConfig::pick(8, 8, 8192, 512, 64, 188, 99 * 1024).unwrap().lanes,
-        Lanes::Tf32 { positions: 16 }
+        Lanes::Tf32 { positions: 16, stages: 2 }
     ));
-    assert_eq!(tf32_shared_bytes(512, 64, TF32_PICKED), 76_320);
-    assert!(tf32_refusal(512, 64, TF32_PICKED, 64 * 1024).unwrap().contains("76320 bytes of shared memory"));
-    assert!(tf32_refusal(256, 64, Tf32Shape { warps: 8, pt: 16 }, 227 * 1024).unwrap().contains("multiple of 512"));
-    assert!(tf32_refusal(512, 64, Tf32Shape { warps: 2, pt: 16 }, 227 * 1024).unwrap().contains("2 warps"));
+    assert_eq!(tf32_shared_bytes(512, 64, TF32_PICKED), 76_336);
+    let ring3 = Tf32Shape { stages: 3, ..TF32_PICKED };
+    assert_eq!(tf32_shared_bytes(512, 64, ring3), 113_456);
+    assert!(tf32_refusal(512, 64, ring3, 99 * 1024).unwrap().contains("113456 bytes of shared memory"));
+    assert!(tf32_refusal(512, 64, TF32_PICKED, 64 * 1024).unwrap().contains("76336 bytes of shared memory"));
+    assert!(
+        tf32_refusal(256, 64, Tf32Shape { warps: 8, pt: 16, stages: 2 }, 227 * 1024)
+            .unwrap()
+            .contains("multiple of 512")
+    );
+    assert!(tf32_refusal(512, 64, Tf32Shape { warps: 2, pt: 16, stages: 2 }, 227 * 1024).unwrap().contains("2 warps"));
     // Every pick covers its rows' positions, in at most 96 slices.
     for (rows, heads, ctx) in [(1, 8, 1000), (3, 16, 70_000), (8, 8, 8191), (128, 8, 8192), (1, 1, 65)] {
         let c = h200(rows, heads, ctx);

@@ -32,7 +32,7 @@
 //!   shuffles; each stage's products go into zeroed fragments that are then added, with the softmax's rescale, to
 //!   the f32 output (short accumulation chains: the tensor cores' adds truncate).
 //!
-//! Latents arrive `pt` positions a stage through `cp.async` (two stages, one mbarrier each), rows padded to `d + 4`
+//! Latents arrive `pt` positions a stage through `cp.async` (a ring of `ns` stages, 2 or 3, one mbarrier each), rows padded to `d + 4`
 //! floats (`d` a multiple of 32): with `sigma` and `p`, every 16-byte fragment load of a warp falls on distinct banks
 //! in each quarter-warp. Output: as the other kernels' (`AttentionParts`: the normalized slice output and `(max,
 //! sum)` per (slice, row, head)), so the same merge follows.
@@ -48,13 +48,15 @@ pub struct Tf32Shape {
     pub warps: usize,
     /// Positions a stage (16 or 32).
     pub pt: usize,
+    /// Stages of latents in shared memory (2 or 3: a ring of three needs one block barrier a stage fewer).
+    pub stages: usize,
 }
 
 impl Tf32Shape {
     /// The launch of this shape in `splits` slices of `chunk` positions.
     pub fn config(&self, splits: usize, chunk: usize) -> super::attention::AttentionConfig {
         super::attention::AttentionConfig {
-            lanes: super::attention::Lanes::Tf32 { positions: self.pt },
+            lanes: super::attention::Lanes::Tf32 { positions: self.pt, stages: self.stages },
             warps: self.warps,
             hpw: TF32_HEADS / self.warps,
             splits,
@@ -64,18 +66,20 @@ impl Tf32Shape {
 }
 
 /// The shapes `gpu_attention --tf32` sweeps and checks.
-pub const TF32_SHAPES: [Tf32Shape; 4] = [
-    Tf32Shape { warps: 4, pt: 16 },
-    Tf32Shape { warps: 8, pt: 16 },
-    Tf32Shape { warps: 4, pt: 32 },
-    Tf32Shape { warps: 8, pt: 32 },
+pub const TF32_SHAPES: [Tf32Shape; 5] = [
+    Tf32Shape { warps: 4, pt: 16, stages: 2 },
+    Tf32Shape { warps: 4, pt: 16, stages: 3 },
+    Tf32Shape { warps: 8, pt: 16, stages: 2 },
+    Tf32Shape { warps: 4, pt: 32, stages: 2 },
+    Tf32Shape { warps: 8, pt: 32, stages: 2 },
 ];
 
-/// The shape [`pick`] takes: 4 warps, 16 positions a stage (76 KB of shared memory, 210 registers: two blocks a
-/// multiprocessor on the H200). The fastest of [`TF32_SHAPES`] at every 8-head case of `gpu_attention --tf32` but
-/// one row over 1k's (within 3% there; bench/REPORT.md, session 31): 8 warps (128 registers) were 4-16% slower,
-/// 32-position stages 8-44%.
-pub const TF32_PICKED: Tf32Shape = Tf32Shape { warps: 4, pt: 16 };
+/// The shape [`pick`] takes: 4 warps, 16 positions a stage, two stages (76 KB of shared memory, 210 registers: two
+/// blocks a multiprocessor on the H200). The fastest of [`TF32_SHAPES`] at every 8-head case of `gpu_attention
+/// --tf32` but one row over 1k's (within 3% there; bench/REPORT.md, session 31): 8 warps (128 registers) were 4-16%
+/// slower, 32-position stages 8-44%; a ring of three stages (113 KB, one block barrier a stage fewer) 0-2.4% slower
+/// at the same slices (`gpu_attention --quick --heads 8`'s "other ring" rows).
+pub const TF32_PICKED: Tf32Shape = Tf32Shape { warps: 4, pt: 16, stages: 2 };
 
 /// Blocks of [`TF32_PICKED`] a multiprocessor: two (its registers allow no third on the H200; the sweep's best
 /// launches were one wave of two a multiprocessor: 256 blocks at 8 rows over 8k 54.1 us, 344 blocks 75.6).
@@ -91,10 +95,10 @@ pub fn tf32_row_floats(d: usize) -> usize {
     d + 4
 }
 
-/// Shared memory of one block of [`gpu::mla_attention_tf32_kernel`]: two stages of `pt` latent rows, the warps'
-/// partial scores (`pt / 4` floats a lane) and two mbarriers.
+/// Shared memory of one block of [`gpu::mla_attention_tf32_kernel`]: `stages` stages of `pt` latent rows, the
+/// warps' partial scores (`pt / 4` floats a lane) and three mbarriers.
 pub fn tf32_shared_bytes(r: usize, rot: usize, s: Tf32Shape) -> usize {
-    4 * (2 * s.pt * tf32_row_floats(r + rot) + s.warps * 32 * (s.pt / 4)) + 32
+    4 * (s.stages * s.pt * tf32_row_floats(r + rot) + s.warps * 32 * (s.pt / 4)) + 48
 }
 
 /// Why the TF32 kernel cannot run a shape, or `None` when it can: `r` a multiple of `64 warps` (each warp's value
@@ -102,8 +106,11 @@ pub fn tf32_shared_bytes(r: usize, rot: usize, s: Tf32Shape) -> usize {
 /// 8 warps, 16 or 32 positions a stage, and the block's shared
 /// memory within `smem`.
 pub fn tf32_refusal(r: usize, rot: usize, s: Tf32Shape, smem: usize) -> Option<String> {
-    if ![4, 8].contains(&s.warps) || ![16, 32].contains(&s.pt) {
-        return Some(format!("TF32 attention: {} warps, {} positions a stage (4 or 8, 16 or 32)", s.warps, s.pt));
+    if ![4, 8].contains(&s.warps) || ![16, 32].contains(&s.pt) || ![2, 3].contains(&s.stages) {
+        return Some(format!(
+            "TF32 attention: {} warps, {} positions a stage, {} stages (4 or 8, 16 or 32, 2 or 3)",
+            s.warps, s.pt, s.stages
+        ));
     }
     let tpk = 32 * s.warps / s.pt;
     if r == 0
@@ -146,14 +153,11 @@ pub fn pick(
     sms: usize,
     smem: usize,
 ) -> Option<super::attention::AttentionConfig> {
+    if rows == 0 || heads == 0 || heads > super::attention::FEW_HEADS || max_len == 0 || !tf32_on() {
+        return None;
+    }
     let s = TF32_PICKED;
-    if rows == 0
-        || heads == 0
-        || heads > super::attention::FEW_HEADS
-        || max_len == 0
-        || !tf32_on()
-        || tf32_refusal(r, rot, s, smem).is_some()
-    {
+    if tf32_refusal(r, rot, s, smem).is_some() {
         return None;
     }
     let per_sm = (smem / tf32_shared_bytes(r, rot, s)).clamp(1, TF32_BLOCKS_PER_SM);
@@ -166,7 +170,10 @@ pub fn pick(
 /// Every TF32 launch [`pick`] can return for latents `r + rot` on a device of `smem` bytes of shared memory a
 /// block, each as one slice of 32 positions (the warm-up launches them; none unless [`tf32_on`]).
 pub fn variants(r: usize, rot: usize, smem: usize) -> Vec<super::attention::AttentionConfig> {
-    if !tf32_on() || tf32_refusal(r, rot, TF32_PICKED, smem).is_some() {
+    if !tf32_on() {
+        return Vec::new();
+    }
+    if tf32_refusal(r, rot, TF32_PICKED, smem).is_some() {
         return Vec::new();
     }
     vec![TF32_PICKED.config(1, 32)]
@@ -363,6 +370,7 @@ pub(crate) mod gpu {
         #[comptime] rot: usize,
         #[comptime] nw: usize,
         #[comptime] pt: usize,
+        #[comptime] ns: usize,
     ) {
         let lane = UNIT_POS_X as usize;
         let warp = UNIT_POS_Y as usize;
@@ -391,8 +399,9 @@ pub(crate) mod gpu {
 
         let b0 = Barrier::shared(threads as u32, tid == 0);
         let b1 = Barrier::shared(threads as u32, tid == 0);
+        let b2 = Barrier::shared(threads as u32, tid == 0);
         let mut ks = SharedMemory::<Vector<f32, N>>::new(comptime!(
-            2 * pt * crate::cuda::attention_tf32::tf32_row_floats(r + rot) / 4
+            ns * pt * crate::cuda::attention_tf32::tf32_row_floats(r + rot) / 4
         ));
         let mut sx = SharedMemory::<Vector<f32, N>>::new(comptime!(nw * 32 * (pt / 16)));
         // The barriers are initialized before anyone commits to them.
@@ -470,25 +479,32 @@ pub(crate) mod gpu {
 
         for st in 0..n_stages {
             let t0 = k_begin + st * pt;
-            let cur = (st % 2) * stage_v;
-            // The next stage's copies into the other buffer (its readers finished at the previous stage's end).
+            let cur = (st % ns) * stage_v;
+            // The next stage's copies into the next buffer of the ring. Its readers are done: with two buffers
+            // they finished at the previous stage's end (its block barrier); with three, at stage st - 2, before
+            // every thread arrived at stage st - 1's barrier, which this thread has passed.
             if st + 1 < n_stages {
-                let nxt = ((st + 1) % 2) * stage_v;
-                copy_row::<N>(cache, &mut ks, nxt, t0 + pt + my_key < k_end, slot, my_key, sub, tpk, dv, rowv);
+                let nb = (st + 1) % ns;
+                copy_row::<N>(cache, &mut ks, nb * stage_v, t0 + pt + my_key < k_end, slot, my_key, sub, tpk, dv, rowv);
                 let pos = t0 + 2 * pt + my_key;
                 if pos < k_end {
                     slot = cache_row(meta, table0, pos, block_size);
                 }
-                if st % 2 == 0 {
+                if nb == 0 {
+                    b0.commit_copy_async();
+                } else if nb == 1 {
                     b1.commit_copy_async();
                 } else {
-                    b0.commit_copy_async();
+                    b2.commit_copy_async();
                 }
             }
-            if st % 2 == 0 {
+            let cb = st % ns;
+            if cb == 0 {
                 b0.arrive_and_wait();
-            } else {
+            } else if cb == 1 {
                 b1.arrive_and_wait();
+            } else {
+                b2.arrive_and_wait();
             }
 
             // The warp's partial scores.
@@ -668,8 +684,11 @@ pub(crate) mod gpu {
                     o[at + 3] = o[at + 3] * alpha1 + tmp[4 * i + 3];
                 }
             }
-            // Every warp is done with this stage's buffer and the partial scores before they are overwritten.
-            sync_cube();
+            // With two buffers: every warp is done with this stage's buffer and the partial scores before they are
+            // overwritten (with three, the next stage's barrier orders both: the comment at the copies).
+            if comptime!(ns == 2) {
+                sync_cube();
+            }
         }
 
         // The heads' sums over the 8 lanes of equal c; outputs normalized, as whole vectors (dims 8 g .. 8 g + 8

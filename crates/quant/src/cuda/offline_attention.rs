@@ -132,7 +132,7 @@ pub(super) fn define_mla_attention_tf32(
     type N = DynamicSize<_N>;
     let address = AddressType::U32;
     let (mut b, x) = decode_args::<N>(props);
-    expand_decode!(mla_attention_tf32_kernel, b, x, r, rot, shape.warps, shape.pt);
+    expand_decode!(mla_attention_tf32_kernel, b, x, r, rot, shape.warps, shape.pt, shape.stages);
     let name = format!("mla_attention_tf32_kernel_n_{VEC}");
     let dim = CubeDim::new_2d(32, shape.warps as u32);
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))

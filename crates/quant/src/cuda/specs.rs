@@ -560,7 +560,7 @@ impl KernelSpec {
                 format!("mla_attention_mma r{r} rot{rot} tiles{} wk{} pt{}", s.tiles, s.wk, s.pt)
             }
             Self::MlaAttentionTf32 { r, rot, shape: s } => {
-                format!("mla_attention_tf32 r{r} rot{rot} w{} pt{}", s.warps, s.pt)
+                format!("mla_attention_tf32 r{r} rot{rot} w{} pt{} s{}", s.warps, s.pt, s.stages)
             }
             Self::MlaCombine { r, halves } => format!("mla_combine r{r} x{halves}"),
             Self::MhaPrefill { dims } => format!("mha_prefill nope{} rot{} vd{}", dims.nope, dims.rot, dims.vd),

@@ -67,10 +67,10 @@ fn attention_specs_fit_the_device() {
             rot: 64,
             shape: crate::cuda::attention_mma::MmaShape { tiles, wk: c.warps / tiles, pt: positions },
         },
-        crate::cuda::attention::Lanes::Tf32 { positions } => KernelSpec::MlaAttentionTf32 {
+        crate::cuda::attention::Lanes::Tf32 { positions, stages } => KernelSpec::MlaAttentionTf32 {
             r: 512,
             rot: 64,
-            shape: crate::cuda::attention_tf32::Tf32Shape { warps: c.warps, pt: positions },
+            shape: crate::cuda::attention_tf32::Tf32Shape { warps: c.warps, pt: positions, stages },
         },
     };
     for (rows, ctx) in [(1, 64), (1, 1024), (1, 8192), (8, 1024), (8, 8192), (32, 1024), (1024, 1024)] {
