@@ -46,6 +46,26 @@ type R = CudaRuntime;
 
 const TOL: f64 = 1e-5;
 
+/// GPU us a call of `calls` calls `f(i)` behind a copy (`BehindCopy`, 2 warm-up calls): `Ok(None)` where the timing
+/// failed (the host's enqueue outlasting the copy), `Err` on the first launch error.
+fn time_behind(
+    behind: &BehindCopy,
+    client: &ComputeClient<R>,
+    calls: usize,
+    mut f: impl FnMut(usize) -> Result<(), String>,
+) -> Result<Option<f64>> {
+    let mut err = None;
+    let us = behind.time_us(client, 2, calls, |i| {
+        if let Err(e) = f(i) {
+            err.get_or_insert(e);
+        }
+    });
+    match err {
+        Some(e) => bail!(e),
+        None => Ok(us.ok()),
+    }
+}
+
 fn sync(client: &ComputeClient<R>) -> Result<()> {
     burn::cubecl::future::block_on(client.sync()).map_err(|e| anyhow::anyhow!("device sync: {e:?}"))
 }
@@ -383,23 +403,17 @@ fn main() -> Result<()> {
             let cfg = AttentionConfig::pick(batch, heads, ctx, r, rot, sms, smem)
                 .ok_or_else(|| anyhow::anyhow!("no launch shape fits"))?;
             let scale = 1.0 / (192f32).sqrt();
-            // Call `i` runs on layer `i`'s cache (of `copies`).
-            let call = |i: usize| {
-                mla_attention(
-                    &client,
-                    &q_dev,
-                    &caches[i % copies],
-                    slots,
-                    &rows,
-                    &meta,
-                    &out,
-                    heads,
-                    r,
-                    rot,
-                    scale,
-                    cfg,
-                )
+            // Call `i` of launch `c` runs on layer `i`'s cache (of `copies`); `parts`: the attention launch alone.
+            let call_with = |i: usize, c: AttentionConfig, parts: bool| {
+                let cache = &caches[i % copies];
+                if parts {
+                    mla_attention_parts(&client, &q_dev, cache, slots, &rows, &meta, &out, heads, r, rot, scale, c)
+                        .map(|_| ())
+                } else {
+                    mla_attention(&client, &q_dev, cache, slots, &rows, &meta, &out, heads, r, rot, scale, c)
+                }
             };
+            let call = |i: usize| call_with(i, cfg, false);
             let mut times = Vec::new();
             for rep in 0..10 {
                 sync(&client)?;
@@ -438,35 +452,11 @@ fn main() -> Result<()> {
                 bail!(e);
             }
             // The attention launch alone (its slices left unmerged): what the combine launch adds, by difference.
-            let mut parts_err = None;
             let parts_us = if cfg.splits > 1 {
-                behind
-                    .time_us(&client, 2, 10, |i| {
-                        let res = mla_attention_parts(
-                            &client,
-                            &q_dev,
-                            &caches[i % copies],
-                            slots,
-                            &rows,
-                            &meta,
-                            &out,
-                            heads,
-                            r,
-                            rot,
-                            scale,
-                            cfg,
-                        );
-                        if let Err(e) = res {
-                            parts_err.get_or_insert(e);
-                        }
-                    })
-                    .ok()
+                time_behind(&behind, &client, 10, |i| call_with(i, cfg, true))?
             } else {
                 Some(gpu_us)
             };
-            if let Some(e) = parts_err {
-                bail!(e);
-            }
             let parts_txt = parts_us.map_or("-".to_string(), |u| format!("{u:.1}"));
             let gpu_secs = gpu_us * 1e-6;
             let cache_bytes = (batch * ctx * d * 4) as f64;
@@ -492,31 +482,8 @@ fn main() -> Result<()> {
                 let other = Tf32Shape { warps: cfg.warps, pt: positions, stages: 5 - stages };
                 if tf32_refusal(r, rot, other, smem).is_none() {
                     let alt = other.config(cfg.splits, cfg.chunk);
-                    let mut alt_err = None;
-                    let alt_us = behind
-                        .time_us(&client, 2, 10, |i| {
-                            let res = mla_attention(
-                                &client,
-                                &q_dev,
-                                &caches[i % copies],
-                                slots,
-                                &rows,
-                                &meta,
-                                &out,
-                                heads,
-                                r,
-                                rot,
-                                scale,
-                                alt,
-                            );
-                            if let Err(e) = res {
-                                alt_err.get_or_insert(e);
-                            }
-                        })
-                        .map_err(anyhow::Error::msg)?;
-                    if let Some(e) = alt_err {
-                        bail!(e);
-                    }
+                    let alt_us = time_behind(&behind, &client, 10, |i| call_with(i, alt, false))?
+                        .context("the other ring: the host's enqueue outlasted the copy")?;
                     println!(
                         "| {batch} | {ctx} | {:.1} | {} (the other ring) | - | {alt_us:.1} | - | {:.0} | {:.1} | - |",
                         cache_bytes / 1e6,
