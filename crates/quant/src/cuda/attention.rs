@@ -242,6 +242,29 @@ impl AttentionConfig {
     }
 }
 
+/// The slices of a launch of one wave (the dim-lane, tensor-core and TF32 kernels' rule): as many blocks as `sms`
+/// multiprocessors of `per_sm` blocks each hold, `per_split` blocks a slice (rows x head groups), at most `max_slices`
+/// slices and at least `multiple` positions a slice, each slice a multiple of `multiple` positions. Returns `(splits,
+/// chunk)` covering `max_len` (at least 1) positions.
+pub(crate) fn one_wave_slices(
+    sms: usize,
+    per_sm: usize,
+    per_split: usize,
+    max_len: usize,
+    multiple: usize,
+    max_slices: usize,
+) -> (usize, usize) {
+    let want = (sms * per_sm / per_split.max(1)).clamp(1, max_len.div_ceil(multiple).min(max_slices).max(1));
+    let chunk = max_len.div_ceil(want).next_multiple_of(multiple);
+    (max_len.div_ceil(chunk), chunk)
+}
+
+/// An on/off switch read once from the environment variable `var` (on unless it is `0`), cached in `cell`: the
+/// kernels' `EYRIE_ATTENTION_*` switches for same-binary comparisons.
+pub(crate) fn env_switch(cell: &'static std::sync::OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
+}
+
 #[cfg(feature = "cuda")]
 pub use super::attention_merge::{AttentionParts, merge_parts, merge_slices, mla_combine_kernel};
 #[cfg(feature = "cuda")]

@@ -132,16 +132,15 @@ pub fn pick(
     let s = *shapes.iter().find(|s| dims_refusal(r, rot, s.wh, s.wk, s.hpw, s.sg, smem).is_none())?;
     let per_sm = (smem / dims_shared_bytes(r, rot, s.wh, s.wk, s.hpw, s.sg)).max(1);
     let per_split = rows * heads.div_ceil(s.wh * s.hpw);
-    let want = (sms * per_sm / per_split).clamp(1, max_len.div_ceil(64));
-    let chunk = max_len.div_ceil(want).next_multiple_of(64);
-    Some(s.config(max_len.div_ceil(chunk), chunk))
+    let (splits, chunk) = super::attention::one_wave_slices(sms, per_sm, per_split, max_len, 64, usize::MAX);
+    Some(s.config(splits, chunk))
 }
 
 /// Whether [`pick`] picks the dim lanes at all: on unless `EYRIE_ATTENTION_DIMS=0` (read once), for same-binary
 /// comparisons with the key-lane kernel alone.
 pub fn dim_lanes_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EYRIE_ATTENTION_DIMS").map_or(true, |v| v != "0"))
+    super::attention::env_switch(&ON, "EYRIE_ATTENTION_DIMS")
 }
 
 /// Every dim-lane launch [`pick`] can return for latents `r + rot` on a device of `smem` bytes of shared memory a

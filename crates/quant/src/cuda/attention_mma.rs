@@ -106,7 +106,7 @@ pub fn mma_refusal(r: usize, rot: usize, s: MmaShape, smem: usize) -> Option<Str
 /// `EYRIE_ATTENTION_MMA=0` (read once), for same-binary comparisons with the CUDA-core kernels.
 pub fn mma_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EYRIE_ATTENTION_MMA").map_or(true, |v| v != "0"))
+    super::attention::env_switch(&ON, "EYRIE_ATTENTION_MMA")
 }
 
 /// The tensor-core launch for `rows` query rows of `heads` heads over at most `max_len` positions (latents `r +
@@ -136,9 +136,8 @@ pub fn pick(
     }
     let per_sm = (smem / mma_shared_bytes(r, rot, s)).max(1);
     let per_split = rows * heads.div_ceil(16 * s.tiles);
-    let want = (sms * per_sm / per_split).clamp(1, max_len.div_ceil(32));
-    let chunk = max_len.div_ceil(want).next_multiple_of(32);
-    Some(s.config(max_len.div_ceil(chunk), chunk))
+    let (splits, chunk) = super::attention::one_wave_slices(sms, per_sm, per_split, max_len, 32, usize::MAX);
+    Some(s.config(splits, chunk))
 }
 
 /// Every tensor-core launch [`pick`] can return for latents `r + rot` on a device of `smem` bytes of shared memory a

@@ -134,7 +134,7 @@ pub fn tf32_refusal(r: usize, rot: usize, s: Tf32Shape, smem: usize) -> Option<S
 /// (read once), for same-binary comparisons with the CUDA-core kernels.
 pub fn tf32_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EYRIE_ATTENTION_TF32").map_or(true, |v| v != "0"))
+    super::attention::env_switch(&ON, "EYRIE_ATTENTION_TF32")
 }
 
 /// The TF32 launch for `rows` query rows of `heads` heads over at most `max_len` positions (latents `r + rot`, a
@@ -153,27 +153,26 @@ pub fn pick(
     sms: usize,
     smem: usize,
 ) -> Option<super::attention::AttentionConfig> {
-    if rows == 0 || heads == 0 || heads > super::attention::FEW_HEADS || max_len == 0 || !tf32_on() {
-        return None;
-    }
     let s = TF32_PICKED;
-    if tf32_refusal(r, rot, s, smem).is_some() {
+    if rows == 0
+        || heads == 0
+        || heads > super::attention::FEW_HEADS
+        || max_len == 0
+        || !tf32_on()
+        || tf32_refusal(r, rot, s, smem).is_some()
+    {
         return None;
     }
     let per_sm = (smem / tf32_shared_bytes(r, rot, s)).clamp(1, TF32_BLOCKS_PER_SM);
     let per_split = rows * heads.div_ceil(TF32_HEADS);
-    let want = (sms * per_sm / per_split).clamp(1, max_len.div_ceil(32).min(TF32_MAX_SLICES));
-    let chunk = max_len.div_ceil(want).next_multiple_of(32);
-    Some(s.config(max_len.div_ceil(chunk), chunk))
+    let (splits, chunk) = super::attention::one_wave_slices(sms, per_sm, per_split, max_len, 32, TF32_MAX_SLICES);
+    Some(s.config(splits, chunk))
 }
 
 /// Every TF32 launch [`pick`] can return for latents `r + rot` on a device of `smem` bytes of shared memory a
 /// block, each as one slice of 32 positions (the warm-up launches them; none unless [`tf32_on`]).
 pub fn variants(r: usize, rot: usize, smem: usize) -> Vec<super::attention::AttentionConfig> {
-    if !tf32_on() {
-        return Vec::new();
-    }
-    if tf32_refusal(r, rot, TF32_PICKED, smem).is_some() {
+    if !tf32_on() || tf32_refusal(r, rot, TF32_PICKED, smem).is_some() {
         return Vec::new();
     }
     vec![TF32_PICKED.config(1, 32)]
