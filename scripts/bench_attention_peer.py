@@ -13,7 +13,9 @@ when one copy is under 512 MB (so the L2 does not hold it); median of 9 runs of 
 the explicit two-matmul form (`softmax(q K^T) V` with bmm) and reports the faster of the two per dtype. The
 inputs are random (timings do not depend on the values). Writes JSON.
 
-usage: python3 scripts/bench_attention_peer.py --json OUT.json [--quick]
+usage: python3 scripts/bench_attention_peer.py --json OUT.json [--quick] [--heads H]
+
+`--heads 8` is a tensor-parallel rank's share of Kimi-K2's 64 (the user's `--tp-size 8`; `gpu_attention --heads 8`).
 """
 import argparse
 import json
@@ -44,7 +46,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--heads", type=int, default=HEADS)
     args = ap.parse_args()
+    heads = args.heads
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda", 0)
@@ -58,7 +62,7 @@ def main():
                 size = torch.tensor([], dtype=dtype).element_size()
                 per = batch * ctx * D * size
                 copies = max(1, min(16, -(-(512 << 20) // per)))
-                q = torch.randn(batch, HEADS, 1, D, device=dev, dtype=dtype)
+                q = torch.randn(batch, heads, 1, D, device=dev, dtype=dtype)
                 caches = [torch.randn(batch, 1, ctx, D, device=dev, dtype=dtype) for _ in range(copies)]
 
                 def sdpa(i):
@@ -78,7 +82,7 @@ def main():
                     print(f"  SDPA {dtype} b{batch} ctx{ctx}: {e}")
                 us_bmm = timed(bmm, copies)
                 best = min(x for x in (us_sdpa, us_bmm) if x == x)
-                moved = per + batch * HEADS * (D + R) * size
+                moved = per + batch * heads * (D + R) * size
                 gbs = moved / best / 1e3
                 name = "f32" if dtype == torch.float32 else "bf16"
                 print(f"| {batch} | {ctx} | {name} | {us_sdpa:.1f} | {us_bmm:.1f} | {gbs:.0f} |")
@@ -88,7 +92,7 @@ def main():
                 torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "rows": out}, f, indent=1)
+            json.dump({"torch": torch.__version__, "heads": heads, "gpu": torch.cuda.get_device_name(0), "rows": out}, f, indent=1)
 
 
 if __name__ == "__main__":

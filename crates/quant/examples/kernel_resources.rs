@@ -337,7 +337,7 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                 KernelSpec::MlaAttentionTf32 { r, rot, shape: s } => {
                     json!({"r": r, "rot": rot, "warps": s.warps, "positions": s.pt, "stages": s.stages})
                 }
-                KernelSpec::MlaCombine { r, halves } => json!({"r": r, "halves": halves}),
+                KernelSpec::MlaCombine { r, halves, one_pass } => json!({"r": r, "halves": halves, "one_pass": one_pass}),
                 KernelSpec::MhaPrefill { dims } => json!({"nope": dims.nope, "rot": dims.rot, "vd": dims.vd}),
                 KernelSpec::ArgmaxRows => json!({}),
                 KernelSpec::Gemv { k, cfg } | KernelSpec::GemvSwiglu { k, cfg } | KernelSpec::GemvNorm { k, cfg } => {

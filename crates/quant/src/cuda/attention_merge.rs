@@ -22,12 +22,17 @@ pub fn mla_combine_kernel<N: Size>(
     splits: u32,
     #[comptime] r: usize,
     #[comptime] halves: usize,
+    #[comptime] one_pass: bool,
 ) {
     let rh = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
     let rv = comptime!(r / 4);
     let mut acc = Array::<f32>::new(comptime!(4 * (r / 4).div_ceil(128)));
-    merge_slices::<N>(o_part, ml_part, &mut acc, pairs as usize, splits as usize, rh, tid, r, halves);
+    if comptime!(one_pass) {
+        merge_slices_one_pass::<N>(o_part, ml_part, &mut acc, pairs as usize, splits as usize, rh, tid, r, halves);
+    } else {
+        merge_slices::<N>(o_part, ml_part, &mut acc, pairs as usize, splits as usize, rh, tid, r, halves);
+    }
     #[unroll]
     for it in 0..comptime!((r / 4).div_ceil(128)) {
         let c4 = it * 128 + tid;
@@ -39,6 +44,151 @@ pub fn mla_combine_kernel<N: Size>(
             }
             out[rh * rv + c4] = o;
         }
+    }
+}
+
+/// [`merge_slices`] in one round of loads (the combine launch's with `EYRIE_COMBINE_ONE_PASS=1`; the same contract
+/// and result up to rounding): the merge of (row, head) `rh`'s slices by the block's first `128 * halves` threads
+/// (the others, if any, only take part in its barriers; every thread of the block must call it): into `acc` (`4 *
+/// ceil(r / 512)` floats) of the first 128 threads, thread `tid`'s 4-float vectors `tid, tid + 128, ...` of `sum_s
+/// w_s o_s / sum_s w_s`, `w_s = l_s exp(m_s - max m)` over the slices' normalized outputs `o_part` `[splits, pairs,
+/// r]` and their `(m, l)` in `ml_part`. Thread `tid` takes every `halves`-th slice (from `half = tid / 128`), 8 at a time: the 8 slices'
+/// `(m, l)` and output vectors are loaded together (16-byte loads, all in flight at once: at 32 slices and
+/// `halves` 4, one round of loads for the whole merge), and merged online against the thread's running maximum
+/// (the sums rescaled by `exp(m_old - m_new)` when it grows); the halves' `(max, sum, vectors)` then meet through
+/// shared memory, rescaled to the block's maximum, in order of `half`. A slice with `l = 0` (no positions) weighs
+/// 0 (its output is written as zeros by the attention kernel). Every thread of a half runs the same slices, so
+/// its maximum and sum are the half's. With `halves` 1 there is no barrier; else two, the last after every read of
+/// shared memory, so calls may follow one another in a loop.
+#[cube]
+#[allow(clippy::manual_div_ceil, clippy::too_many_arguments)]
+pub fn merge_slices_one_pass<N: Size>(
+    o_part: &Array<Vector<f32, N>>,
+    ml_part: &Array<f32>,
+    acc: &mut Array<f32>,
+    pairs: usize,
+    splits: usize,
+    rh: usize,
+    tid: usize,
+    #[comptime] r: usize,
+    #[comptime] halves: usize,
+) {
+    let width = comptime!(128 * halves);
+    let active = tid < width;
+    let c = tid % 128;
+    let half = tid / 128;
+    let rv = comptime!(r / 4);
+    let nv = comptime!((r / 4).div_ceil(128));
+    let na = comptime!(4 * (r / 4).div_ceil(128));
+
+    #[unroll]
+    for a in 0..na {
+        acc[a] = f32::new(0.0);
+    }
+    let mut m_run = f32::new(-1.0e30);
+    let mut den = f32::new(0.0);
+    let mut mine = 0usize;
+    if active && half < splits {
+        mine = (splits - half + halves - 1) / halves;
+    }
+    for j8 in 0..(mine + 7) / 8 {
+        let mut ms = Array::<f32>::new(8usize);
+        let mut ls = Array::<f32>::new(8usize);
+        let mut v = Array::<Vector<f32, N>>::new(comptime!(8 * (r / 4).div_ceil(128)));
+        #[unroll]
+        for u in 0..8usize {
+            let k = j8 * 8 + u;
+            ms[u] = f32::new(-1.0e30);
+            ls[u] = f32::new(0.0);
+            if k < mine {
+                let sp = half + halves * k;
+                ms[u] = ml_part[(sp * pairs + rh) * 2];
+                ls[u] = ml_part[(sp * pairs + rh) * 2 + 1];
+                #[unroll]
+                for it in 0..nv {
+                    let c4 = it * 128 + c;
+                    if c4 < rv {
+                        v[u * nv + it] = o_part[(sp * pairs + rh) * rv + c4];
+                    }
+                }
+            }
+        }
+        let mut mc = m_run;
+        #[unroll]
+        for u in 0..8usize {
+            if ls[u] > f32::new(0.0) {
+                mc = f32::max(mc, ms[u]);
+            }
+        }
+        let scale = (m_run - mc).exp();
+        m_run = mc;
+        den *= scale;
+        #[unroll]
+        for a in 0..na {
+            acc[a] *= scale;
+        }
+        #[unroll]
+        for u in 0..8usize {
+            if ls[u] > f32::new(0.0) {
+                let wj = ls[u] * (ms[u] - mc).exp();
+                den += wj;
+                #[unroll]
+                for it in 0..nv {
+                    #[unroll]
+                    for e in 0..4usize {
+                        acc[4 * it + e] += wj * v[u * nv + it][e];
+                    }
+                }
+            }
+        }
+    }
+    if comptime!(halves > 1) {
+        // The halves' maxima, sums and vectors into the first's, rescaled to the largest maximum, in order.
+        let mut hm = SharedMemory::<f32>::new(comptime!(2 * halves));
+        let mut rest = SharedMemory::<f32>::new(comptime!((halves - 1) * 4 * (r / 4).div_ceil(128) * 128));
+        if active && c == 0 {
+            hm[2 * half] = m_run;
+            hm[2 * half + 1] = den;
+        }
+        if active && half > 0 {
+            #[unroll]
+            for a in 0..na {
+                rest[((half - 1) * na + a) * 128 + c] = acc[a];
+            }
+        }
+        sync_cube();
+        if half == 0 {
+            let mut mx = hm[0];
+            #[unroll]
+            for h in 1..halves {
+                mx = f32::max(mx, hm[2 * h]);
+            }
+            let s0 = (hm[0] - mx).exp();
+            den *= s0;
+            #[unroll]
+            for a in 0..na {
+                acc[a] *= s0;
+            }
+            #[unroll]
+            for h in 1..halves {
+                let sh = (hm[2 * h] - mx).exp();
+                den += sh * hm[2 * h + 1];
+                #[unroll]
+                for a in 0..na {
+                    acc[a] += sh * rest[((h - 1) * na + a) * 128 + c];
+                }
+            }
+        }
+        // So that a caller's next merge (a loop over tokens) cannot write `hm` / `rest` before these reads.
+        sync_cube();
+    }
+    let mut inv = f32::new(0.0);
+    if den > f32::new(0.0) {
+        inv = f32::new(1.0) / den;
+    }
+    #[unroll]
+    for a in 0..na {
+        acc[a] *= inv;
     }
 }
 
@@ -215,15 +365,28 @@ pub fn merge_parts<R: Runtime>(
                 parts.splits as u32,
                 r,
                 halves,
+                combine_one_pass(),
             );
         }
     }
 }
 
+/// Whether the combine launch runs [`merge_slices_one_pass`] instead of [`merge_slices`]: off unless
+/// `EYRIE_COMBINE_ONE_PASS=1` (read once) until a GPU run has checked and timed it (bench/REPORT.md, session 33).
+fn combine_one_pass() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("EYRIE_COMBINE_ONE_PASS").is_ok_and(|v| v == "1"))
+}
+
 /// The combine launch's threads a (row, head), in 128s: 4 above 8 slices (each thread's chain of loads a quarter
-/// as long: 32 slices in one round of 8 loads in flight instead of four), else 1.
+/// as long: 32 slices in one round of 8 loads in flight instead of four), else 1. `EYRIE_COMBINE_HALVES` (1, 2, 4
+/// or 8, read once) replaces the 4, for same-binary timing.
 pub fn combine_halves(splits: usize) -> usize {
-    if splits > 8 { 4 } else { 1 }
+    static OVERRIDE: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let many = OVERRIDE.get_or_init(|| {
+        std::env::var("EYRIE_COMBINE_HALVES").ok().and_then(|v| v.parse().ok()).filter(|h| [1, 2, 4, 8].contains(h))
+    });
+    if splits > 8 { many.unwrap_or(4) } else { 1 }
 }
 
 /// What [`mla_attention_parts`](super::attention::mla_attention_parts) leaves: with one slice (`splits` 1) the

@@ -748,7 +748,9 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::MlaAttentionTf32 { r, rot, shape } => {
             (define_mla_attention_tf32(*r, *rot, *shape, &props), AddressType::U32)
         }
-        KernelSpec::MlaCombine { r, halves } => (define_mla_combine(*r, *halves, &props), AddressType::U32),
+        KernelSpec::MlaCombine { r, halves, one_pass } => {
+            (define_mla_combine(*r, *halves, *one_pass, &props), AddressType::U32)
+        }
         KernelSpec::MhaPrefill { dims } => (define_mha_prefill(*dims, &props), AddressType::U32),
         KernelSpec::ArgmaxRows => (define_argmax_rows(&props), AddressType::U32),
         KernelSpec::Gemv { k, cfg } => (define_gemv(*k, cfg, &props), AddressType::U32),

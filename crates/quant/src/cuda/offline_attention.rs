@@ -138,7 +138,12 @@ pub(super) fn define_mla_attention_tf32(
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
 }
 
-pub(super) fn define_mla_combine(r: usize, halves: usize, props: &DeviceProperties) -> KernelDefinition {
+pub(super) fn define_mla_combine(
+    r: usize,
+    halves: usize,
+    one_pass: bool,
+    props: &DeviceProperties,
+) -> KernelDefinition {
     use mla_combine_kernel::_N;
     type N = DynamicSize<_N>;
     let address = AddressType::U32;
@@ -150,7 +155,7 @@ pub(super) fn define_mla_combine(r: usize, halves: usize, props: &DeviceProperti
     let out = <Array<Vector<f32, N>> as LaunchArg>::expand_output(&a, &mut b);
     let pairs = <u32 as LaunchArg>::expand(&(), &mut b);
     let splits = <u32 as LaunchArg>::expand(&(), &mut b);
-    mla_combine_kernel::expand::<N>(&mut b.scope, VEC, o_part, ml_part, out, pairs, splits, r, halves);
+    mla_combine_kernel::expand::<N>(&mut b.scope, VEC, o_part, ml_part, out, pairs, splits, r, halves, one_pass);
     let name = format!("mla_combine_kernel_n_{VEC}");
     let dim = CubeDim::new_1d((128 * halves) as u32);
     b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))

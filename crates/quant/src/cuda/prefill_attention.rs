@@ -599,6 +599,7 @@ mod gpu {
                 segments as u32,
                 vd,
                 1usize,
+                false,
             );
         }
         Ok(())

@@ -383,6 +383,8 @@ pub enum KernelSpec {
         r: usize,
         /// Threads a (row, head) in 128s (`attention_merge::combine_halves`).
         halves: usize,
+        /// The merge in one round of loads (`attention_merge::merge_slices_one_pass`, `EYRIE_COMBINE_ONE_PASS=1`).
+        one_pass: bool,
     },
     /// `sampling::argmax_rows_kernel` (greedy picks on the device).
     ArgmaxRows,
@@ -562,7 +564,9 @@ impl KernelSpec {
             Self::MlaAttentionTf32 { r, rot, shape: s } => {
                 format!("mla_attention_tf32 r{r} rot{rot} w{} pt{} s{}", s.warps, s.pt, s.stages)
             }
-            Self::MlaCombine { r, halves } => format!("mla_combine r{r} x{halves}"),
+            Self::MlaCombine { r, halves, one_pass } => {
+                format!("mla_combine r{r} x{halves}{}", if *one_pass { " one-pass" } else { "" })
+            }
             Self::MhaPrefill { dims } => format!("mha_prefill nope{} rot{} vd{}", dims.nope, dims.rot, dims.vd),
             Self::ArgmaxRows => "argmax_rows".into(),
             Self::Gemv { k, cfg } => {
@@ -717,13 +721,15 @@ pub fn attention_and_dense_specs(r: usize, rot: usize, ks: &[usize], smem_limit:
         out.push(KernelSpec::MlaAttentionTf32 { r, rot, shape });
     }
     for halves in [1, 4] {
-        out.push(KernelSpec::MlaCombine { r, halves });
+        for one_pass in [false, true] {
+            out.push(KernelSpec::MlaCombine { r, halves, one_pass });
+        }
     }
     // The prefill chunks' MHA form at Kimi-K2's head dimensions (its value width merges segments), where it fits.
     let mha = crate::cuda::prefill_attention::MhaDims { nope: 128, rot, vd: 128 };
     if mha.check(smem_limit).is_ok() {
         out.push(KernelSpec::MhaPrefill { dims: mha });
-        out.push(KernelSpec::MlaCombine { r: mha.vd, halves: 1 });
+        out.push(KernelSpec::MlaCombine { r: mha.vd, halves: 1, one_pass: false });
     }
     for &k in ks {
         for n in 1..=16 {

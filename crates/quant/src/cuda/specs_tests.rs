@@ -91,7 +91,7 @@ fn attention_specs_fit_the_device() {
     assert!(sm120.iter().filter(|s| matches!(s, KernelSpec::Gemv { .. })).count() >= 4);
     for specs in [&h200, &sm120] {
         assert!(specs.iter().any(|s| matches!(s, KernelSpec::MhaPrefill { .. })));
-        assert!(specs.contains(&KernelSpec::MlaCombine { r: 128, halves: 1 }));
+        assert!(specs.contains(&KernelSpec::MlaCombine { r: 128, halves: 1, one_pass: false }));
     }
 }
 
