@@ -47,8 +47,8 @@ pub fn mla_combine_kernel<N: Size>(
     }
 }
 
-/// [`merge_slices`] in one round of loads (the combine launch's with `EYRIE_COMBINE_ONE_PASS=1`; the same contract
-/// and result up to rounding): the merge of (row, head) `rh`'s slices by the block's first `128 * halves` threads
+/// [`merge_slices`] in one round of loads (the combine launch's unless `EYRIE_COMBINE_ONE_PASS=0`; the same
+/// contract and result up to rounding): the merge of (row, head) `rh`'s slices by the block's first `128 * halves` threads
 /// (the others, if any, only take part in its barriers; every thread of the block must call it): into `acc` (`4 *
 /// ceil(r / 512)` floats) of the first 128 threads, thread `tid`'s 4-float vectors `tid, tid + 128, ...` of `sum_s
 /// w_s o_s / sum_s w_s`, `w_s = l_s exp(m_s - max m)` over the slices' normalized outputs `o_part` `[splits, pairs,
@@ -371,11 +371,12 @@ pub fn merge_parts<R: Runtime>(
     }
 }
 
-/// Whether the combine launch runs [`merge_slices_one_pass`] instead of [`merge_slices`]: off unless
-/// `EYRIE_COMBINE_ONE_PASS=1` (read once) until a GPU run has checked and timed it (bench/REPORT.md, session 33).
+/// Whether the combine launch runs [`merge_slices_one_pass`] instead of [`merge_slices`]: on unless
+/// `EYRIE_COMBINE_ONE_PASS=0` (read once; same-binary timing). Session 33 on an H100: every `gpu_attention --quick`
+/// check ok, 8 heads at 8 x 8k 68.0-68.2 -> 66.5-66.8 us, at 8 x 1k 18.3-18.5 -> 16.9 (bench/REPORT.md).
 fn combine_one_pass() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("EYRIE_COMBINE_ONE_PASS").is_ok_and(|v| v == "1"))
+    super::attention::env_switch(&ON, "EYRIE_COMBINE_ONE_PASS")
 }
 
 /// The combine launch's threads a (row, head), in 128s: 4 above 8 slices (each thread's chain of loads a quarter

@@ -383,7 +383,7 @@ pub enum KernelSpec {
         r: usize,
         /// Threads a (row, head) in 128s (`attention_merge::combine_halves`).
         halves: usize,
-        /// The merge in one round of loads (`attention_merge::merge_slices_one_pass`, `EYRIE_COMBINE_ONE_PASS=1`).
+        /// The merge in one round of loads (`attention_merge::merge_slices_one_pass`, the combine launch's default).
         one_pass: bool,
     },
     /// `sampling::argmax_rows_kernel` (greedy picks on the device).
