@@ -49,6 +49,8 @@ def main():
     ap.add_argument("--heads", type=int, default=HEADS)
     args = ap.parse_args()
     heads = args.heads
+    if heads < 1:
+        ap.error(f"--heads {heads}: at least 1")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda", 0)
