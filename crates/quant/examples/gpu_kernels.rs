@@ -195,6 +195,29 @@ fn forward(
     Ok((f32::from_bytes(&bytes).to_vec(), (xf, ids, weights, routing.experts.len())))
 }
 
+/// [`forward`] with f32 activations (not BF16 values: all three parts of their split are non-zero).
+fn forward_f32(
+    client: &ComputeClient<R>,
+    ex: &MoeExperts,
+    gpu: &GpuExperts<R>,
+    m: usize,
+    topk: usize,
+    seed: u64,
+    cfg: &MoeConfig,
+) -> Result<(Vec<f32>, Inputs)> {
+    let s = ex.shape();
+    let mut rng = SplitMix64::new(seed);
+    let x = rng.signed(m * s.hidden);
+    let (ids, weights) = rng.routing(m, topk, s.experts);
+    let routing = Routing::new(&ids, m, topk, s.experts)?;
+    let x_dev = client.create_from_slice(f32::as_bytes(&x));
+    let r_dev = GpuRouting::upload(client, &routing, &weights);
+    let out = client.empty(m * s.hidden * 4);
+    moe_forward_with::<_, f32>(client, gpu, &x_dev, &r_dev, &out, cfg, Stages::All);
+    let bytes = client.read_one(out).map_err(|e| anyhow::anyhow!("read: {e:?}"))?;
+    Ok((f32::from_bytes(&bytes).to_vec(), (x, ids, weights, routing.experts.len())))
+}
+
 /// A forward of [`forward`] against both references.
 fn compare(ex: &MoeExperts, run: (Vec<f32>, Inputs), topk: usize) -> Result<(Mismatch, Mismatch, usize)> {
     let (got, (xf, ids, weights, active)) = run;
@@ -247,6 +270,7 @@ fn run_checks(client: &ComputeClient<R>, kimi: Option<(&MoeExperts, &GpuExperts<
         prefetch: false,
         mma: None,
         mma_tb: 2,
+        tiled_gemm: false,
     };
     if let Some((kimi, gpu_kimi)) = kimi {
         report(KIMI, 64, TOPK, compare(kimi, forward(client, kimi, gpu_kimi, 64, TOPK, 150, &alt)?, TOPK)?);
@@ -348,7 +372,7 @@ fn check_prefill_tbs(client: &ComputeClient<R>) -> Result<bool> {
     let gpu = GpuExperts::upload(client, &ex.kernel_layout());
     let mut ok = true;
     for tb in eyrie_quant::cuda::specs::MMA_TBS {
-        let cfg = MoeConfig { mma_tb: tb, ..MoeConfig::for_tokens(512) };
+        let cfg = MoeConfig { mma_tb: tb, tiled_gemm: false, ..MoeConfig::for_tokens(512) };
         let (exact, ct, active) = compare(&ex, forward(client, &ex, &gpu, 512, TOPK, 700 + tb as u64, &cfg)?, TOPK)?;
         let pass = ct.rel_to_max <= TOL_CT && exact.rel_to_max <= TOL_EXACT;
         ok &= pass;
@@ -358,6 +382,41 @@ fn check_prefill_tbs(client: &ComputeClient<R>) -> Result<bool> {
             exact.rel_to_max,
             if pass { "ok" } else { "FAIL" }
         );
+    }
+    // The tiled grouped GEMM (`moe_tiled`): 64-pair tiles, so ~256 pairs an expert fill four and the last tiles of
+    // uneven experts are partial; both weight layouts (this shape is tiled; 1152 x 320 is row-major, groups of 32
+    // and 64).
+    let cases = [
+        (wide, 512usize),
+        (MoeShape { hidden: 1024, inter: 512, experts: 16, group: 64 }, 300),
+        (MoeShape { hidden: 1152, inter: 320, experts: 12, group: 32 }, 200),
+    ];
+    for (i, (shape, m)) in cases.into_iter().enumerate() {
+        let ex = MoeExperts::random(shape, 41 + i as u64)?;
+        let gpu = GpuExperts::upload(client, &ex.kernel_layout());
+        let cfg = MoeConfig { tiled_gemm: true, ..MoeConfig::for_tokens(m) };
+        for f32_x in [false, true] {
+            let seed = 800 + i as u64;
+            let run = if f32_x {
+                forward_f32(client, &ex, &gpu, m, TOPK, seed, &cfg)?
+            } else {
+                forward(client, &ex, &gpu, m, TOPK, seed, &cfg)?
+            };
+            let (exact, ct, active) = compare(&ex, run, TOPK)?;
+            let pass = ct.rel_to_max <= TOL_CT && exact.rel_to_max <= TOL_EXACT;
+            ok &= pass;
+            println!(
+                "| prefill check, tiled GEMM {}x{} group {} (tiled layout {}), {} input | {m} | {active} experts | rel (CT) {:.3e} | rel (exact) {:.3e} | {} |",
+                shape.hidden,
+                shape.inter,
+                shape.group,
+                shape.tiled(),
+                if f32_x { "f32" } else { "bf16" },
+                ct.rel_to_max,
+                exact.rel_to_max,
+                if pass { "ok" } else { "FAIL" }
+            );
+        }
     }
     Ok(ok)
 }
@@ -380,8 +439,9 @@ fn run_prefill(client: &ComputeClient<R>, gpu: &GpuExperts<R>, ms: &[usize], jso
                 Routing::new(&ids, m, TOPK, s.experts).map(|r| GpuRouting::upload(client, &r, &weights))
             })
             .collect::<Result<_, _>>()?;
-        for tb in [2usize, 4, 8, 16] {
-            let cfg = MoeConfig { mma_tb: tb, ..MoeConfig::for_tokens(m) };
+        for tb in [2usize, 4, 8, 16, 0] {
+            // 0: the tiled grouped GEMM (`moe_tiled`).
+            let cfg = MoeConfig { mma_tb: tb.max(2), tiled_gemm: tb == 0, ..MoeConfig::for_tokens(m) };
             let us = time_us(client, 2, 3, 2, |j| {
                 moe_forward_with::<_, bf16>(client, gpu, &x, &routings[j % 2], &out, &cfg, Stages::All)
             })?;
@@ -425,6 +485,7 @@ fn cuda_core_sweep(m: usize) -> Vec<MoeConfig> {
         prefetch,
         mma: None,
         mma_tb: 4,
+        tiled_gemm: false,
     };
     match m {
         0 | 1 => vec![

@@ -320,7 +320,12 @@ fn write_json(path: &Path, args: &Args, rows: &[Row], (major, minor): (i32, i32)
                     "tasks": s.tasks, "ksplit": s.ksplit, "gated": s.gated, "by_token": s.by_token, "tiled": s.tiled,
                     "address": format!("{:?}", s.address),
                 }),
-                KernelSpec::SplitX3 { act, k } => json!({"act": act.name(), "k": k}),
+                KernelSpec::SplitX3 { act, k } | KernelSpec::SplitRows { act, k } => json!({"act": act.name(), "k": k}),
+                KernelSpec::TiledExpert { k, rows, group, topk, gated, tiled, address } => json!({
+                    "k": k, "rows": rows, "group": group, "topk": topk, "gated": gated, "tiled": tiled,
+                    "address": format!("{address:?}"),
+                }),
+                KernelSpec::TileList => json!({}),
                 KernelSpec::Combine { hidden, topk, add, address } => {
                     json!({"hidden": hidden, "topk": topk, "add": add, "address": format!("{address:?}")})
                 }

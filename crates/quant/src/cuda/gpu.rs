@@ -40,7 +40,17 @@ pub struct MoeConfig {
     /// weights once, so at prefill widths (~170 tokens an expert in an 8192-token chunk) it divides the weight
     /// traffic; the tensor-core kernel takes its activations from global memory, so shared memory does not cap it.
     pub mma_tb: usize,
+    /// Run the experts as a tiled grouped GEMM (`moe_tiled`: 64 pairs of an expert a tile, weights read once a
+    /// tile) where the shape allows it ([`crate::cuda::moe_tiled::tiled_fits`]), instead of `mma`'s passes of
+    /// `mma_tb` tokens: prefill chunks with many tokens an expert.
+    pub tiled_gemm: bool,
 }
+
+/// Tokens from which [`MoeConfig::for_tokens`] takes the tiled grouped GEMM (`moe_tiled`): its 64-pair tiles want
+/// tens of tokens an expert. A Kimi-K2 layer (384 experts, top-8) on an H100 (`gpu_kernels prefill`,
+/// bench/REPORT.md session 34), tiled against 16 tokens a pass: 1024 tokens 18.8 / 16.8 ms (~21 pairs an expert:
+/// the tiles a third full, it loses), 2048 19.2 / 29.6, 4096 38.0 / 56.2, 8192 58.5 / 110.3.
+pub const TILED_GEMM_MIN_TOKENS: usize = 2048;
 
 /// Launch shape of the tensor-core expert kernels (`moe_mma::expert_mma_kernel`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -92,6 +102,7 @@ impl Default for MoeConfig {
             prefetch: false,
             mma: None,
             mma_tb: 4,
+            tiled_gemm: false,
         }
     }
 }
@@ -135,6 +146,7 @@ impl MoeConfig {
                 prefetch: true,
                 mma: mma(4, 2, 2, 4, 2),
                 mma_tb: 16,
+                tiled_gemm: m >= TILED_GEMM_MIN_TOKENS,
                 ..d
             },
         }
@@ -451,6 +463,15 @@ fn moe_forward_inner<R: Runtime, A: Float>(
         return;
     }
     assert!(matches!(cfg.rows_at_once_2, 2 | 4) && matches!(cfg.max_tb, 1 | 2 | 4) && cfg.warps > 0);
+    if cfg.tiled_gemm
+        && matches!(stages, Stages::All | Stages::GateUp | Stages::Down | Stages::Combine)
+        && super::moe_tiled::tiled_fits(&s, client.properties().hardware.max_shared_memory_size)
+    {
+        let [y] = scratch(client, [n_pairs * s.hidden * 4]);
+        tiled_experts::<R, A>(client, experts, x, routing, &y, stages);
+        combine(client, &s, routing, &y, out, stages, addend);
+        return;
+    }
     if let Some(mm) = cfg.mma
         && mma_fits(&s, routing.topk, &mm, cfg, client.properties().hardware.max_shared_memory_size)
     {
@@ -703,6 +724,104 @@ fn mma_experts<R: Runtime, A: Float>(
                 ..ExpertMmaSpec::down(&s, routing.topk, mm, tb)
             };
             launch(spec, class, hs, n_pairs * 3 * s.inter / 8, &experts.w2, &experts.s2, y, n_pairs * s.hidden);
+        }
+    }
+}
+
+/// The experts as a tiled grouped GEMM (`moe_tiled`, module docs there): the input's split, the routing's tile
+/// list, gate/up with SiLU and the intermediate's split, down into `y` `[pairs, hidden]` (by pair index).
+fn tiled_experts<R: Runtime, A: Float>(
+    client: &ComputeClient<R>,
+    experts: &GpuExperts<R>,
+    x: &Handle,
+    routing: &GpuRouting,
+    y: &Handle,
+    stages: Stages,
+) {
+    use super::moe_tiled::{BM, BN, LIST_THREADS, max_tiles, split_rows_kernel, tile_list_kernel, tiled_expert_kernel};
+    let s = experts.shape;
+    let n_pairs = routing.m * routing.topk;
+    let ntiles = max_tiles(n_pairs, routing.slots);
+    let xs_len = routing.m * 3 * s.hidden / 2;
+    let hs_len = n_pairs * 3 * s.inter / 2;
+    let tiles_len = 1 + 3 * ntiles;
+    let [xs, hs, tiles, dummy] = scratch(client, [xs_len * 4, hs_len * 4, tiles_len * 4, 16]);
+    let w13_len = s.experts * 2 * s.inter * s.hidden / 32;
+    let w2_len = s.experts * s.hidden * s.inter / 32;
+    let address = super::moe_tiled::tiled_address(&s, routing.m, n_pairs);
+    let gate_up = matches!(stages, Stages::All | Stages::GateUp);
+    let down = matches!(stages, Stages::All | Stages::Down);
+    // SAFETY: every buffer is passed with its true length (16-byte vectors for the splits and the words); the
+    // tile list holds at most `ntiles` tiles (`max_tiles`), each of positions inside `pairs` (the routing's
+    // offsets) and of a slot below `bounds[3] <= slots <= MAX_SLOTS` (`tiled_fits`: experts <= MAX_SLOTS); tokens
+    // `pairs[q] / topk < m`, expert ids below `E` (as for the other launches); blocks past the list's count exit.
+    unsafe {
+        if gate_up || down {
+            tile_list_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static(1, 1, 1),
+                CubeDim::new_1d(LIST_THREADS as u32),
+                arg(&routing.offsets, routing.slots + 1),
+                arg(&routing.bounds, 4),
+                arg(&tiles, tiles_len),
+                BM,
+            );
+        }
+        if gate_up {
+            split_rows_kernel::launch_unchecked::<A, R>(
+                client,
+                CubeCount::Static((xs_len / 3).div_ceil(256) as u32, 1, 1),
+                CubeDim::new_1d(256),
+                AddressType::from_len(xs_len),
+                arg(x, routing.m * s.hidden),
+                arg(&xs, xs_len),
+                (xs_len / 3) as u32,
+                s.hidden,
+            );
+            tiled_expert_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static((s.inter / 64) as u32, ntiles as u32, 1),
+                CubeDim::new_1d(BN as u32),
+                address,
+                VEC,
+                arg(&xs, xs_len / 4),
+                arg(&experts.w13, w13_len),
+                arg(&experts.s13, s.experts * 2 * s.inter * s.hidden / s.group),
+                arg(&routing.experts, routing.slots),
+                arg(&routing.pairs, n_pairs),
+                arg(&tiles, tiles_len),
+                arg(&hs, hs_len),
+                arg(&dummy, 4),
+                s.hidden,
+                2 * s.inter,
+                s.group,
+                routing.topk,
+                true,
+                s.tiled(),
+            );
+        }
+        if down {
+            tiled_expert_kernel::launch_unchecked::<R>(
+                client,
+                CubeCount::Static((s.hidden / BN) as u32, ntiles as u32, 1),
+                CubeDim::new_1d(BN as u32),
+                address,
+                VEC,
+                arg(&hs, hs_len / 4),
+                arg(&experts.w2, w2_len),
+                arg(&experts.s2, s.experts * s.hidden * s.inter / s.group),
+                arg(&routing.experts, routing.slots),
+                arg(&routing.pairs, n_pairs),
+                arg(&tiles, tiles_len),
+                arg(&dummy, 4),
+                arg(y, n_pairs * s.hidden),
+                s.inter,
+                s.hidden,
+                s.group,
+                routing.topk,
+                false,
+                s.tiled(),
+            );
         }
     }
 }

@@ -52,6 +52,8 @@ pub mod mla;
 #[cfg(feature = "cuda")]
 pub mod moe_mma;
 #[cfg(feature = "cuda")]
+pub mod moe_tiled;
+#[cfg(feature = "cuda")]
 pub mod norm;
 #[cfg(feature = "cuda")]
 pub mod offline;

@@ -258,7 +258,7 @@ fn fold_loads<N: Size>(
 /// BF16 bits of part `c` (0, 1, 2) of `v = hi + mid + lo`, each part the remainder of the previous ones with its
 /// low 16 bits cut, as [`split_x3_kernel`] splits.
 #[cube]
-fn split_part(v: f32, c: usize) -> u32 {
+pub(crate) fn split_part(v: f32, c: usize) -> u32 {
     let hi = u32::reinterpret(v) >> 16u32;
     let r = v - f32::reinterpret(hi << 16u32);
     let mid = u32::reinterpret(r) >> 16u32;

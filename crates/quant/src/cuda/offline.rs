@@ -22,6 +22,7 @@ use super::gemm::{split_bf16x3_kernel, sum3_kernel};
 use super::kernels::{combine_kernel, copy_kernel, expert_rows_kernel};
 use super::mla::{mla_latent_kernel, mla_output_kernel, mla_query_kernel};
 use super::moe_mma::{expert_mma_kernel, split_x3_kernel};
+use super::moe_tiled::{split_rows_kernel, tile_list_kernel, tiled_expert_kernel};
 use super::norm::rms_norm_kernel;
 use super::resources::Arch;
 use super::rope::rope_rows_kernel;
@@ -220,6 +221,76 @@ fn define_split_x3(act_ty: Act, k: usize, props: &DeviceProperties) -> KernelDef
     split_x3_kernel::expand::<F>(&mut b.scope, x, out, rows, k);
     let name = format!("split_x3_kernel_f_{}", act_ty.name());
     b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
+}
+
+fn define_tiled_expert(
+    [k, rows, group, topk]: [usize; 4],
+    gated: bool,
+    tiled: bool,
+    address: AddressType,
+    props: &DeviceProperties,
+) -> KernelDefinition {
+    use tiled_expert_kernel::_N;
+    type N = DynamicSize<_N>;
+    let mut b = builder(props, address);
+    b.scope.register_size::<N>(VEC);
+    let a = ARRAY;
+    let xs = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let words = <Array<Vector<u32, N>> as LaunchArg>::expand(&a, &mut b);
+    let scales = <Array<bf16> as LaunchArg>::expand(&a, &mut b);
+    let experts = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let pairs = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let tiles = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let split_out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let out = <Array<f32> as LaunchArg>::expand_output(&a, &mut b);
+    tiled_expert_kernel::expand::<N>(
+        &mut b.scope,
+        VEC,
+        xs,
+        words,
+        scales,
+        experts,
+        pairs,
+        tiles,
+        split_out,
+        out,
+        k,
+        rows,
+        group,
+        topk,
+        gated,
+        tiled,
+    );
+    let name = format!("tiled_expert_kernel_n_{VEC}");
+    let dim = CubeDim::new_1d(super::moe_tiled::BN as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name(name))
+}
+
+fn define_split_rows(act_ty: Act, k: usize, props: &DeviceProperties) -> KernelDefinition {
+    use split_rows_kernel::_F;
+    type F = DynamicScalar<_F>;
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    b.scope.register_type::<F>(act_ty.storage_type());
+    let a = ARRAY;
+    let x = <Array<F> as LaunchArg>::expand(&a, &mut b);
+    let out = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    let words = <u32 as LaunchArg>::expand(&(), &mut b);
+    split_rows_kernel::expand::<F>(&mut b.scope, x, out, words, k);
+    let name = format!("split_rows_kernel_f_{}", act_ty.name());
+    b.build(KernelSettings::default().cube_dim(CubeDim::new_1d(256)).address_type(address).kernel_name(name))
+}
+
+fn define_tile_list(props: &DeviceProperties) -> KernelDefinition {
+    let address = AddressType::U32;
+    let mut b = builder(props, address);
+    let a = ARRAY;
+    let offsets = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let bounds = <Array<u32> as LaunchArg>::expand(&a, &mut b);
+    let tiles = <Array<u32> as LaunchArg>::expand_output(&a, &mut b);
+    tile_list_kernel::expand(&mut b.scope, offsets, bounds, tiles, super::moe_tiled::BM);
+    let dim = CubeDim::new_1d(super::moe_tiled::LIST_THREADS as u32);
+    b.build(KernelSettings::default().cube_dim(dim).address_type(address).kernel_name("tile_list_kernel"))
 }
 
 fn define_combine(
@@ -732,6 +803,11 @@ pub fn cuda_source(spec: &KernelSpec, arch: Arch, cuda_version: u32) -> Result<C
         KernelSpec::ExpertRows { act, spec } => (define_expert_rows(*act, spec, &props), spec.address),
         KernelSpec::ExpertMma { spec } => (define_expert_mma(spec, &props), spec.address),
         KernelSpec::SplitX3 { act, k } => (define_split_x3(*act, *k, &props), AddressType::U32),
+        KernelSpec::TiledExpert { k, rows, group, topk, gated, tiled, address } => {
+            (define_tiled_expert([*k, *rows, *group, *topk], *gated, *tiled, *address, &props), *address)
+        }
+        KernelSpec::SplitRows { act, k } => (define_split_rows(*act, *k, &props), AddressType::U32),
+        KernelSpec::TileList => (define_tile_list(&props), AddressType::U32),
         KernelSpec::Combine { hidden, topk, add, address } => {
             (define_combine(*hidden, *topk, *add, *address, &props), *address)
         }

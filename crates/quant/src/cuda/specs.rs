@@ -325,6 +325,32 @@ pub enum KernelSpec {
         /// Row width.
         k: usize,
     },
+    /// `moe_tiled::tiled_expert_kernel` (the experts of prefill chunks as a tiled grouped GEMM).
+    TiledExpert {
+        /// Input width (hidden for gate/up, inter for down).
+        k: usize,
+        /// Matrix rows an expert (2 inter for gate/up, hidden for down).
+        rows: usize,
+        /// Quantization group.
+        group: usize,
+        /// Experts per token.
+        topk: usize,
+        /// Gate/up with SiLU and the intermediate's split.
+        gated: bool,
+        /// Tiled weight layout.
+        tiled: bool,
+        /// Indexing width.
+        address: AddressType,
+    },
+    /// `moe_tiled::split_rows_kernel` (activations of width `k` as three BF16 parts, columns in order).
+    SplitRows {
+        /// Input element type.
+        act: Act,
+        /// Row width.
+        k: usize,
+    },
+    /// `moe_tiled::tile_list_kernel` (a routing's 64-pair tiles).
+    TileList,
     /// `combine_kernel` (weighted sum over a token's experts).
     Combine {
         /// Model width.
@@ -519,7 +545,9 @@ impl KernelSpec {
         match self {
             Self::ExpertRows { spec, .. } => spec.cube_dim(),
             Self::ExpertMma { spec } => spec.cube_dim(),
-            Self::SplitX3 { .. } => CubeDim::new_1d(256),
+            Self::SplitX3 { .. } | Self::SplitRows { .. } => CubeDim::new_1d(256),
+            Self::TiledExpert { .. } => CubeDim::new_1d(crate::cuda::moe_tiled::BN as u32),
+            Self::TileList => CubeDim::new_1d(crate::cuda::moe_tiled::LIST_THREADS as u32),
             Self::Combine { .. } | Self::Copy => CubeDim::new_1d(256),
             Self::MlaAttention { warps, .. } => CubeDim::new_2d(32, *warps as u32),
             Self::MlaAttentionDims { shape, .. } => CubeDim::new_2d(32, (shape.wh * shape.wk) as u32),
@@ -550,6 +578,13 @@ impl KernelSpec {
             Self::ExpertRows { act, spec } => spec.label(*act),
             Self::ExpertMma { spec } => spec.label(),
             Self::SplitX3 { act, k } => format!("split_x3 {} k{k}", act.name()),
+            Self::TiledExpert { k, rows, group, topk, gated, tiled, .. } => format!(
+                "moe_tiled {} k{k} rows{rows} g{group} top{topk}{}",
+                if *gated { "gate/up" } else { "down" },
+                if *tiled { " tiled" } else { "" }
+            ),
+            Self::SplitRows { act, k } => format!("split_rows {} k{k}", act.name()),
+            Self::TileList => "tile_list".into(),
             Self::Combine { hidden, topk, add, .. } => {
                 format!("combine hidden{hidden} topk{topk}{}", if *add { " +shared" } else { "" })
             }
@@ -675,6 +710,19 @@ pub fn moe_kernel_specs(shape: &MoeShape, topk: usize, smem_limit: usize) -> Vec
         push(KernelSpec::SplitX3 { act, k: shape.hidden });
     }
     push(KernelSpec::SplitX3 { act: Act::F32, k: shape.inter });
+    // The tiled grouped GEMM of prefill chunks (`MoeConfig::tiled_gemm`), where the shape allows it.
+    if crate::cuda::moe_tiled::tiled_fits(shape, smem_limit) {
+        let pairs = crate::cuda::moe_tiled::SPEC_PAIRS;
+        let address = crate::cuda::moe_tiled::tiled_address(shape, pairs / topk, pairs);
+        let s = shape;
+        for (k, rows, gated) in [(s.hidden, 2 * s.inter, true), (s.inter, s.hidden, false)] {
+            push(KernelSpec::TiledExpert { k, rows, group: s.group, topk, gated, tiled: s.tiled(), address });
+        }
+        for act in [Act::Bf16, Act::F32] {
+            push(KernelSpec::SplitRows { act, k: shape.hidden });
+        }
+        push(KernelSpec::TileList);
+    }
     let address = AddressType::from_len(MAX_TOKENS * topk * shape.hidden);
     for add in [false, true] {
         push(KernelSpec::Combine { hidden: shape.hidden, topk, add, address });
