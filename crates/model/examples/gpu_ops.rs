@@ -714,6 +714,23 @@ fn main() -> Result<(), Error> {
             );
             rows.push(serde_json::json!({"op": "moe_block_device_router", "m": m, "error_vs_host_router": e,
                 "bit_identical": same, "kernel_us": us_dev, "host_router_us": us_host, "ok": ok}));
+            // From `TILED_GEMM_MIN_TOKENS` the experts run as the tiled grouped GEMM (`moe_tiled`): the same block
+            // on the 16-tokens-a-pass kernels (another kernel, the same math) must agree within 1e-6.
+            if m >= eyrie_quant::cuda::gpu::TILED_GEMM_MIN_TOKENS {
+                eyrie_quant::cuda::set_tiled_gemm(false);
+                let passes = host(moe.forward(xt.clone()));
+                let us_passes = time(&device, || drop(moe.forward(xt.clone())));
+                eyrie_quant::cuda::set_tiled_gemm(true);
+                let want: Vec<f64> = passes.iter().map(|&v| f64::from(v)).collect();
+                let e = err(&dev_out, &want);
+                let ok = e <= 1e-6;
+                failed |= !ok;
+                println!(
+                    "| moe block, tiled grouped GEMM vs 16 tokens a pass | {m} x {d}, 384 experts top-8 | {e:.1e} | - | {us_dev:.1} | {us_passes:.1} | {ok} |"
+                );
+                rows.push(serde_json::json!({"op": "moe_block_tiled_gemm", "m": m, "error_vs_passes": e,
+                    "tiled_us": us_dev, "passes_us": us_passes, "ok": ok}));
+            }
         }
     }
     // Out of device memory (last: it fills the device): buffers of 30 GiB until the device has no room for one

@@ -416,7 +416,8 @@ pub fn moe_forward<R: Runtime, A: Float>(
 /// The tuned launch shape for `routing`'s token count, fitted to the device's shared memory.
 fn tuned_config<R: Runtime>(client: &ComputeClient<R>, experts: &GpuExperts<R>, routing: &GpuRouting) -> MoeConfig {
     let limit = client.properties().hardware.max_shared_memory_size;
-    MoeConfig::for_tokens(routing.m).fit_shared_memory(&experts.shape, limit)
+    let cfg = MoeConfig::for_tokens(routing.m).fit_shared_memory(&experts.shape, limit);
+    MoeConfig { tiled_gemm: cfg.tiled_gemm && tiled_gemm(), ..cfg }
 }
 
 /// [`moe_forward`] plus `addend` (`[m, hidden]` f32, e.g. the shared experts' output) added by the combine:
@@ -603,6 +604,30 @@ pub fn set_fused_split(on: bool) {
 
 /// [`fused_split`]: 0 off, 1 on, 2 not read from the environment yet.
 static FUSED_SPLIT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+
+/// Whether [`moe_forward`] may take the tiled grouped GEMM (`moe_tiled`) where its tuned shape asks for it (prefill
+/// chunks of [`TILED_GEMM_MIN_TOKENS`] or more): on unless `EYRIE_MOE_TILED_GEMM=0` (or [`set_tiled_gemm`]), which
+/// keeps the 16-tokens-a-pass kernels, for same-binary comparisons (`gpu_ops` checks one against the other).
+pub fn tiled_gemm() -> bool {
+    use std::sync::atomic::Ordering;
+    match TILED_GEMM.load(Ordering::Relaxed) {
+        0 => false,
+        1 => true,
+        _ => {
+            let on = std::env::var("EYRIE_MOE_TILED_GEMM").map_or(true, |v| v != "0");
+            TILED_GEMM.store(u8::from(on), Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+/// Sets [`tiled_gemm`] for the process.
+pub fn set_tiled_gemm(on: bool) {
+    TILED_GEMM.store(u8::from(on), std::sync::atomic::Ordering::Relaxed);
+}
+
+/// [`tiled_gemm`]: 0 off, 1 on, 2 not read from the environment yet.
+static TILED_GEMM: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
 
 /// Whether every launch of the tensor-core path takes `shape` under `mm`.
 fn mma_fits(shape: &MoeShape, topk: usize, mm: &MmaShape, cfg: &MoeConfig, smem_limit: usize) -> bool {

@@ -70,5 +70,5 @@ pub use behind_copy::{BehindCopy, copy_bandwidth, copy_f32};
 #[cfg(feature = "cuda")]
 pub use gpu::{
     GpuExperts, GpuRouting, MmaShape, MoeConfig, RoutingReadback, Stages, fused_split, moe_forward, moe_forward_add,
-    moe_forward_with, set_fused_split,
+    moe_forward_with, set_fused_split, set_tiled_gemm, tiled_gemm,
 };
