@@ -226,3 +226,39 @@ fn expert_kernels_wait_for_their_predecessor_where_they_may() {
         assert!(!source(spec, 80).contains("griddepcontrol"), "{spec:?}");
     }
 }
+
+/// The tiled grouped GEMM of prefill chunks: listed (both GEMMs at the address of the widest chunk, both input
+/// types' splits, the tile list) on the H200 and on SM120 for Kimi's shape, taken from `TILED_GEMM_MIN_TOKENS`,
+/// not listed where the shape does not split into its blocks; the tile count bound holds for uneven routings.
+#[test]
+fn tiled_prefill_specs_cover_its_launches() {
+    use crate::cuda::gpu::TILED_GEMM_MIN_TOKENS;
+    use crate::cuda::moe_tiled::{BM, SPEC_PAIRS, max_tiles, tiled_address, tiled_fits};
+    for limit in [232_448, 101_376] {
+        let specs = moe_kernel_specs(&KIMI, 8, limit);
+        let address = tiled_address(&KIMI, SPEC_PAIRS / 8, SPEC_PAIRS);
+        for (k, rows, gated) in [(7168, 4096, true), (2048, 7168, false)] {
+            let t = KernelSpec::TiledExpert { k, rows, group: 32, topk: 8, gated, tiled: KIMI.tiled(), address };
+            assert!(specs.contains(&t), "{t:?} at {limit}");
+        }
+        for act in [Act::Bf16, Act::F32] {
+            assert!(specs.contains(&KernelSpec::SplitRows { act, k: 7168 }));
+        }
+        assert!(specs.contains(&KernelSpec::TileList));
+    }
+    assert!(MoeConfig::for_tokens(TILED_GEMM_MIN_TOKENS).tiled_gemm);
+    assert!(!MoeConfig::for_tokens(TILED_GEMM_MIN_TOKENS - 1).tiled_gemm);
+    assert!(!MoeConfig::for_tokens(1).tiled_gemm);
+    let odd = MoeShape { hidden: 1024, inter: 96, experts: 8, group: 32 };
+    assert!(!tiled_fits(&odd, 232_448));
+    assert!(!moe_kernel_specs(&odd, 2, 232_448).iter().any(|s| matches!(s, KernelSpec::TiledExpert { .. })));
+    // Tiles of up to BM pairs an expert: never more than `max_tiles` (the grid height the launcher reserves).
+    let mut rng = crate::cuda::SplitMix64::new(3);
+    for _ in 0..200 {
+        let slots = 1 + (rng.next_u64() % 384) as usize;
+        let counts: Vec<usize> = (0..slots).map(|_| 1 + (rng.next_u64() % 300) as usize).collect();
+        let pairs: usize = counts.iter().sum();
+        let tiles: usize = counts.iter().map(|c| c.div_ceil(BM)).sum();
+        assert!(tiles <= max_tiles(pairs, slots), "{tiles} tiles of {pairs} pairs over {slots} slots");
+    }
+}
