@@ -171,7 +171,7 @@ fn sync(client: &ComputeClient<R>) -> Result<()> {
 /// What one forward of [`forward`] ran on: the activations as f32, the routing (ids, weights) and the active experts.
 type Inputs = (Vec<f32>, Vec<u32>, Vec<f32>, usize);
 
-/// One forward of `m` random tokens (from `seed`): the layer's output and its inputs.
+/// One forward of `m` random tokens (from `seed`, BF16 activations): the layer's output and its inputs.
 fn forward(
     client: &ComputeClient<R>,
     ex: &MoeExperts,
@@ -181,22 +181,12 @@ fn forward(
     seed: u64,
     cfg: &MoeConfig,
 ) -> Result<(Vec<f32>, Inputs)> {
-    let s = ex.shape();
-    let mut rng = SplitMix64::new(seed);
-    let x = rng.activations(m * s.hidden);
-    let (ids, weights) = rng.routing(m, topk, s.experts);
-    let routing = Routing::new(&ids, m, topk, s.experts)?;
-    let x_dev = client.create_from_slice(bf16::as_bytes(&x));
-    let r_dev = GpuRouting::upload(client, &routing, &weights);
-    let out = client.empty(m * s.hidden * 4);
-    moe_forward_with::<_, bf16>(client, gpu, &x_dev, &r_dev, &out, cfg, Stages::All);
-    let bytes = client.read_one(out).map_err(|e| anyhow::anyhow!("read: {e:?}"))?;
-    let xf = x.iter().map(|v| v.to_f32()).collect();
-    Ok((f32::from_bytes(&bytes).to_vec(), (xf, ids, weights, routing.experts.len())))
+    forward_as(client, ex, gpu, m, topk, seed, cfg, false)
 }
 
-/// [`forward`] with f32 activations (not BF16 values: all three parts of their split are non-zero).
-fn forward_f32(
+/// [`forward`], with f32 activations when `f32_x` (not BF16 values: all three parts of their split are non-zero).
+#[allow(clippy::too_many_arguments)]
+fn forward_as(
     client: &ComputeClient<R>,
     ex: &MoeExperts,
     gpu: &GpuExperts<R>,
@@ -204,18 +194,29 @@ fn forward_f32(
     topk: usize,
     seed: u64,
     cfg: &MoeConfig,
+    f32_x: bool,
 ) -> Result<(Vec<f32>, Inputs)> {
     let s = ex.shape();
     let mut rng = SplitMix64::new(seed);
-    let x = rng.signed(m * s.hidden);
+    let (xf, x_dev) = if f32_x {
+        let x = rng.signed(m * s.hidden);
+        let dev = client.create_from_slice(f32::as_bytes(&x));
+        (x, dev)
+    } else {
+        let x = rng.activations(m * s.hidden);
+        (x.iter().map(|v| v.to_f32()).collect(), client.create_from_slice(bf16::as_bytes(&x)))
+    };
     let (ids, weights) = rng.routing(m, topk, s.experts);
     let routing = Routing::new(&ids, m, topk, s.experts)?;
-    let x_dev = client.create_from_slice(f32::as_bytes(&x));
     let r_dev = GpuRouting::upload(client, &routing, &weights);
     let out = client.empty(m * s.hidden * 4);
-    moe_forward_with::<_, f32>(client, gpu, &x_dev, &r_dev, &out, cfg, Stages::All);
+    if f32_x {
+        moe_forward_with::<_, f32>(client, gpu, &x_dev, &r_dev, &out, cfg, Stages::All);
+    } else {
+        moe_forward_with::<_, bf16>(client, gpu, &x_dev, &r_dev, &out, cfg, Stages::All);
+    }
     let bytes = client.read_one(out).map_err(|e| anyhow::anyhow!("read: {e:?}"))?;
-    Ok((f32::from_bytes(&bytes).to_vec(), (x, ids, weights, routing.experts.len())))
+    Ok((f32::from_bytes(&bytes).to_vec(), (xf, ids, weights, routing.experts.len())))
 }
 
 /// A forward of [`forward`] against both references.
@@ -397,11 +398,7 @@ fn check_prefill_tbs(client: &ComputeClient<R>) -> Result<bool> {
         let cfg = MoeConfig { tiled_gemm: true, ..MoeConfig::for_tokens(m) };
         for f32_x in [false, true] {
             let seed = 800 + i as u64;
-            let run = if f32_x {
-                forward_f32(client, &ex, &gpu, m, TOPK, seed, &cfg)?
-            } else {
-                forward(client, &ex, &gpu, m, TOPK, seed, &cfg)?
-            };
+            let run = forward_as(client, &ex, &gpu, m, TOPK, seed, &cfg, f32_x)?;
             let (exact, ct, active) = compare(&ex, run, TOPK)?;
             let pass = ct.rel_to_max <= TOL_CT && exact.rel_to_max <= TOL_EXACT;
             ok &= pass;

@@ -585,13 +585,19 @@ fn moe_forward_inner<R: Runtime, A: Float>(
 /// saving the intermediate's `split_x3` launch; `EYRIE_MOE_FUSED_SPLIT=0` (or [`set_fused_split`]) keeps the
 /// separate launch, for same-binary comparisons. Both give the same bits.
 pub fn fused_split() -> bool {
+    switch(&FUSED_SPLIT, "EYRIE_MOE_FUSED_SPLIT")
+}
+
+/// A process-wide switch: `flag`'s setting (0 off, 1 on), or, not set yet, on unless the environment variable
+/// `var` is `0` (then remembered).
+fn switch(flag: &std::sync::atomic::AtomicU8, var: &str) -> bool {
     use std::sync::atomic::Ordering;
-    match FUSED_SPLIT.load(Ordering::Relaxed) {
+    match flag.load(Ordering::Relaxed) {
         0 => false,
         1 => true,
         _ => {
-            let on = std::env::var("EYRIE_MOE_FUSED_SPLIT").map_or(true, |v| v != "0");
-            FUSED_SPLIT.store(u8::from(on), Ordering::Relaxed);
+            let on = std::env::var(var).map_or(true, |v| v != "0");
+            flag.store(u8::from(on), Ordering::Relaxed);
             on
         }
     }
@@ -609,16 +615,7 @@ static FUSED_SPLIT: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::n
 /// chunks of [`TILED_GEMM_MIN_TOKENS`] or more): on unless `EYRIE_MOE_TILED_GEMM=0` (or [`set_tiled_gemm`]), which
 /// keeps the 16-tokens-a-pass kernels, for same-binary comparisons (`gpu_ops` checks one against the other).
 pub fn tiled_gemm() -> bool {
-    use std::sync::atomic::Ordering;
-    match TILED_GEMM.load(Ordering::Relaxed) {
-        0 => false,
-        1 => true,
-        _ => {
-            let on = std::env::var("EYRIE_MOE_TILED_GEMM").map_or(true, |v| v != "0");
-            TILED_GEMM.store(u8::from(on), Ordering::Relaxed);
-            on
-        }
-    }
+    switch(&TILED_GEMM, "EYRIE_MOE_TILED_GEMM")
 }
 
 /// Sets [`tiled_gemm`] for the process.
