@@ -467,6 +467,7 @@ fn moe_forward_inner<R: Runtime, A: Float>(
     if cfg.tiled_gemm
         && matches!(stages, Stages::All | Stages::GateUp | Stages::Down | Stages::Combine)
         && super::moe_tiled::tiled_fits(&s, client.properties().hardware.max_shared_memory_size)
+        && super::moe_tiled::tiled_launchable(&s, routing.m, n_pairs, routing.slots)
     {
         let [y] = scratch(client, [n_pairs * s.hidden * 4]);
         tiled_experts::<R, A>(client, experts, x, routing, &y, stages);

@@ -414,6 +414,13 @@ pub fn tiled_address(shape: &super::MoeShape, m: usize, pairs: usize) -> Address
 /// model's `KERNEL_MAX_PAIRS`).
 pub const SPEC_PAIRS: usize = 65_536;
 
+/// Whether one step of `m` tokens and `pairs` pairs over `slots` expert slots fits the launches' limits: the most
+/// tiles within a grid's height (65535) and the input split's word count within `u32` (its launch argument). Past
+/// them the launcher keeps the 16-tokens-a-pass kernels (the model's chunks, 8192 tokens of top-8, stay far below).
+pub fn tiled_launchable(shape: &super::MoeShape, m: usize, pairs: usize, slots: usize) -> bool {
+    max_tiles(pairs, slots) <= 65_535 && m * shape.hidden / 2 <= u32::MAX as usize
+}
+
 /// Most tiles a routing of `pairs` pairs over `slots` expert slots can cut into.
 pub fn max_tiles(pairs: usize, slots: usize) -> usize {
     pairs.div_ceil(BM) + slots

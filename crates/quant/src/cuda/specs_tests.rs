@@ -252,6 +252,9 @@ fn tiled_prefill_specs_cover_its_launches() {
     let odd = MoeShape { hidden: 1024, inter: 96, experts: 8, group: 32 };
     assert!(!tiled_fits(&odd, 232_448));
     assert!(!moe_kernel_specs(&odd, 2, 232_448).iter().any(|s| matches!(s, KernelSpec::TiledExpert { .. })));
+    // The widest chunk the model sends launches; a grid taller than 65535 tiles does not (the passes take it).
+    assert!(crate::cuda::moe_tiled::tiled_launchable(&KIMI, 8192, SPEC_PAIRS, 384));
+    assert!(!crate::cuda::moe_tiled::tiled_launchable(&KIMI, 1 << 20, 8 << 20, 384));
     // Tiles of up to BM pairs an expert: never more than `max_tiles` (the grid height the launcher reserves).
     let mut rng = crate::cuda::SplitMix64::new(3);
     for _ in 0..200 {
